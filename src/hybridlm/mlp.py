@@ -1,0 +1,48 @@
+"""The MLP sublayer: GELU-tanh (GPT-2) and SwiGLU (Llama).
+
+GPT-2: σ_act(R W_fc + 𝟏b_fcᵀ) W_proj + 𝟏b_projᵀ with σ_act the tanh form of GELU,
+0.5x(1 + tanh(√(2/π)(x + 0.044715x³))) (SPEC.md §2, seed 000).
+SwiGLU: (silu(R W_gate) ⊙ R W_up) W_down.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridlm.config import ModelConfig
+from hybridlm.hooks import HookPoint
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.W_fc = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
+        self.W_proj = nn.Linear(cfg.d_mlp, cfg.d_model, bias=cfg.mlp_bias)
+        self.hook_pre = HookPoint()
+        self.hook_post = HookPoint()
+
+    def forward(self, r: torch.Tensor) -> torch.Tensor:
+        pre = self.hook_pre(self.W_fc(r))
+        return self.W_proj(self.hook_post(F.gelu(pre, approximate="tanh")))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.W_gate = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
+        self.W_up = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
+        self.W_down = nn.Linear(cfg.d_mlp, cfg.d_model, bias=cfg.mlp_bias)
+        self.hook_pre = HookPoint()
+        self.hook_pre_linear = HookPoint()
+        self.hook_post = HookPoint()
+
+    def forward(self, r: torch.Tensor) -> torch.Tensor:
+        gate = self.hook_pre(self.W_gate(r))
+        up = self.hook_pre_linear(self.W_up(r))
+        return self.W_down(self.hook_post(F.silu(gate) * up))
+
+
+def make_mlp(cfg: ModelConfig) -> nn.Module:
+    return {"gelu": GeluMLP, "swiglu": SwiGLU}[cfg.mlp](cfg)

@@ -1,0 +1,218 @@
+"""The generative map of a decoder-only LM, and its state-space form (SPEC.md §2–3, seed 000).
+
+    H⁽⁰⁾ = U(s) W_e + P W_p                                   (embedding)
+    H̃    = H⁽ℓ⁻¹⁾ + Attn_ℓ(LN_{ℓ,1}(H⁽ℓ⁻¹⁾))                    (attention sublayer)
+    H⁽ℓ⁾ = H̃ + MLP_ℓ(LN_{ℓ,2}(H̃))                             (MLP sublayer)
+    Y    = LN_f(H⁽ᴸ⁾) W_u,   z(s) = last row of Y                (readout)
+
+One implementation serves every family; the parts that differ (norm, positions, MLP,
+key/value grouping, biases, tying) are chosen by the `ModelConfig`.
+
+State-space form: `init_state(s)` prefills x from a string, `F(x, w)` appends tokens
+(rebuilding from Π_T(s ∘ w) when the horizon T would be exceeded) and `G(x)` reads out
+the logits z of the last position.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from hybridlm.alphabet import check_tokens, selection_P, selection_U, truncate
+from hybridlm.attention import Attention
+from hybridlm.config import ModelConfig
+from hybridlm.errors import InputError
+from hybridlm.hooks import HookedModule, HookPoint
+from hybridlm.mlp import make_mlp
+from hybridlm.norm import make_norm
+from hybridlm.positions import LearnedPositions, Rotary
+from hybridlm.state import KVState
+
+
+class Block(nn.Module):
+    """Block 𝓑_ℓ: H⁽ℓ⁻¹⁾ ↦ H⁽ℓ⁾, pre-norm, two residual sublayers."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.ln1 = make_norm(cfg)
+        self.attn = Attention(cfg, layer)
+        self.ln2 = make_norm(cfg)
+        self.mlp = make_mlp(cfg)
+        self.hook_resid_pre = HookPoint()
+        self.hook_attn_out = HookPoint()
+        self.hook_resid_mid = HookPoint()
+        self.hook_mlp_out = HookPoint()
+        self.hook_resid_post = HookPoint()
+
+    def forward(self, h, pos, state=None, rotary=None):
+        h = self.hook_resid_pre(h)
+        h = self.hook_resid_mid(h + self.hook_attn_out(self.attn(self.ln1(h), pos, state, rotary)))
+        return self.hook_resid_post(h + self.hook_mlp_out(self.mlp(self.ln2(h))))
+
+
+class DecoderLM(HookedModule):
+    """A decoder-only language model: logits = model(ids) for ids of shape [B, n]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.W_e = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.d_model))
+        self.hook_embed = HookPoint()
+        self.pos_embed = LearnedPositions(cfg) if cfg.positions == "learned" else None
+        self.rotary = Rotary(cfg) if cfg.positions == "rotary" else None
+        self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layer))
+        self.ln_final = make_norm(cfg)
+        self.W_u = None if cfg.tie_embeddings else nn.Parameter(torch.zeros(cfg.vocab_size, cfg.d_model))
+        self.hook_logits = HookPoint()
+        self.tokenizer = None  # set by the loader
+        self.source = "config"  # where the weights came from, for reports
+        self.setup_hooks()
+
+    # ------------------------------------------------------------------ pieces
+    @property
+    def unembedding(self) -> torch.Tensor:
+        """W_u as a [V, d] matrix (W_u = W_eᵀ when tied: logits = h W_eᵀ)."""
+        return self.W_e if self.W_u is None else self.W_u
+
+    def embed(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """H⁽⁰⁾ = U(s) W_e + P W_p, computed as row lookups."""
+        h = self.hook_embed(self.W_e[ids])
+        if self.pos_embed is not None:
+            h = h + self.pos_embed(pos)
+        return h
+
+    def embed_explicit(self, s) -> torch.Tensor:
+        """H⁽⁰⁾ for one string, formed with the selection matrices U(s) and P (for analysis)."""
+        cfg = self.config
+        U = selection_U(s, cfg.vocab_size).to(self.W_e.dtype)
+        h = U @ self.W_e
+        if self.pos_embed is not None:
+            h = h + selection_P(U.shape[0], cfg.n_ctx).to(self.W_e.dtype) @ self.pos_embed.W_p
+        return h
+
+    def readout(self, h: torch.Tensor) -> torch.Tensor:
+        """Y = LN_f(H⁽ᴸ⁾) W_u."""
+        return self.hook_logits(self.ln_final(h) @ self.unembedding.T)
+
+    # ------------------------------------------------------------------ the generative map
+    def forward(
+        self,
+        ids: torch.Tensor,
+        state: KVState | None = None,
+        *,
+        last_only: bool = False,
+        layers: int | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, n, V] for token ids [B, n] (or [n]).
+
+        With `state`, the ids are the next rows after the n positions already held, and
+        the state is updated in place. `last_only` reads out only the last row;
+        `layers` stops after that many blocks (default: all L).
+        """
+        ids = self._check_ids(ids)
+        start = 0 if state is None else state.n
+        m = ids.shape[1]
+        if start + m > self.config.n_ctx:
+            raise InputError(
+                f"{start + m} positions exceed the context horizon T={self.config.n_ctx}; "
+                "truncate with Π_T first (hybridlm.alphabet.truncate, or use model.F)"
+            )
+        pos = torch.arange(start, start + m, device=ids.device)
+        self.hook_ctx.pos = pos
+        if state is not None:
+            state.reserve(m)
+        h = self.embed(ids, pos)
+        for block in self.blocks[:layers]:
+            h = block(h, pos, state, self.rotary)
+        if state is not None:
+            state.commit(ids)
+        return self.readout(h[:, -1:] if last_only else h)
+
+    # ------------------------------------------------------------------ state-space form
+    def init_state(self, s, *, capacity: int | None = None) -> KVState:
+        """x_0: the state after prefilling the string(s) s ([n] or [B, n]); Π_T applied."""
+        ids = self._check_ids(s)
+        x = self.empty_state(ids.shape[0], capacity=capacity or ids.shape[1])
+        return self.F(x, ids)
+
+    def empty_state(self, batch: int = 1, *, capacity: int = 64) -> KVState:
+        p = self.W_e
+        return KVState(self.config, batch, capacity=capacity, dtype=p.dtype, device=p.device)
+
+    @torch.no_grad()
+    def F(self, x: KVState, w) -> KVState:
+        """x_{t+1} = F(x_t, w): append the token(s) w ([B] or [B, m]), updating x in place.
+
+        When n + m would exceed T the state is rebuilt from Π_T(s ∘ w) by a fresh prefill:
+        with absolute positions every remaining row changes, so trimming is not exact.
+        The readout z = G(x) is refreshed.
+        """
+        w = torch.as_tensor(w, dtype=torch.long, device=x.kv.device)
+        if w.dim() == 1:
+            w = w[None, :] if x.batch == 1 else w[:, None]
+        w = self._check_ids(w)
+        if w.shape[0] != x.batch:
+            raise InputError(f"state holds a batch of {x.batch} strings, got tokens for {w.shape[0]}")
+        T = self.config.n_ctx
+        if x.n + w.shape[1] > T:
+            s = torch.cat([x.tokens, w], dim=1)[:, -T:]  # Π_T(s ∘ w), row by row
+            x.reset()
+            x.rebuilds += 1
+            w = s
+        x.logits = self(w, x, last_only=True)[:, -1]
+        return x
+
+    @staticmethod
+    def G(x: KVState) -> torch.Tensor:
+        """z = G(x_t): the logits of the last position, [B, V]."""
+        if x.logits is None:
+            raise InputError("the state is empty: prefill a string first (model.init_state)")
+        return x.logits
+
+    # ------------------------------------------------------------------ helpers
+    def _check_ids(self, ids) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor):
+            ids = torch.as_tensor(ids, dtype=torch.long)
+        if ids.dtype != torch.long:
+            if ids.is_floating_point():
+                raise InputError(f"token ids must be integers, got a {ids.dtype} tensor")
+            ids = ids.long()
+        if ids.dim() == 1:
+            ids = ids[None, :]
+        if ids.dim() != 2:
+            raise InputError(f"token ids must have shape [B, n], got {tuple(ids.shape)}")
+        check_tokens(ids, self.config.vocab_size)
+        return ids.to(self.W_e.device)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"DecoderLM(family={c.family}, V={c.vocab_size}, T={c.n_ctx}, d={c.d_model}, "
+            f"L={c.n_layer}, N_h={c.n_head}, N_kv={c.n_kv_head}, params={self.num_parameters():,}, "
+            f"source={self.source})"
+        )
+
+
+def init_weights(model: DecoderLM, seed: int = 0) -> DecoderLM:
+    """GPT-2's initialisation: N(0, σ²) everywhere, residual projections σ/√(2L), zero biases."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    std = cfg.init_std
+    residual_std = std / math.sqrt(2 * cfg.n_layer)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("ln1.weight", "ln2.weight", "ln_final.weight")):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            elif name.endswith(("W_O.weight", "W_proj.weight", "W_down.weight")):
+                p.copy_(torch.randn(p.shape, generator=g) * residual_std)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model

@@ -1,0 +1,51 @@
+"""Normalisations: LayerNorm (GPT-2) and RMSNorm (Llama), one interface.
+
+LN_{γ,β}(h) = γ ⊙ (h − μ(h)𝟏)/σ(h) + β with σ = sqrt(mean (h_j − μ)² + ε) (SPEC.md §2,
+seed 000). Before the affine part it maps onto the sphere {x : Σx_j = 0, ‖x‖ = √d}.
+RMSNorm drops the centring and the bias: γ ⊙ h / sqrt(mean h_j² + ε).
+
+`hook_normalized` sees the state before the affine part (the point on the sphere).
+With no hook attached the fused kernel runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridlm.config import ModelConfig
+from hybridlm.hooks import HookPoint
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d))
+        self.hook_normalized = HookPoint()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if not self.hook_normalized.active:
+            return F.layer_norm(h, h.shape[-1:], self.weight, self.bias, self.eps)
+        x = self.hook_normalized(F.layer_norm(h, h.shape[-1:], None, None, self.eps))
+        return x * self.weight + self.bias
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+        self.hook_normalized = HookPoint()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if not self.hook_normalized.active:
+            return F.rms_norm(h, h.shape[-1:], self.weight, self.eps)
+        x = self.hook_normalized(F.rms_norm(h, h.shape[-1:], None, self.eps))
+        return x * self.weight
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    return {"layernorm": LayerNorm, "rmsnorm": RMSNorm}[cfg.norm](cfg.d_model, cfg.norm_eps)

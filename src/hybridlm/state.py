@@ -1,0 +1,113 @@
+"""The KV state x_t (SPEC.md §3, seed 000).
+
+By causal prefix invariance the keys and values of every layer and head over the
+positions 1..n are a sufficient statistic of the past:
+
+    x_t = {K^{(ℓ,m)}_{1:n}, V^{(ℓ,m)}_{1:n}},   x_{t+1} = F(x_t, w_{t+1}),   z = G(x_t).
+
+`KVState` holds them in one pre-allocated buffer of shape [L, 2, B, N_kv, capacity, d_k]
+(capacity grows geometrically up to T, so an append never concatenates), together with
+the string s_t it summarises (needed to rebuild the state when Π_T drops a token) and
+the readout z of its last position. The maps F and G live on the model
+(`DecoderLM.F`, `DecoderLM.G`) because they need its weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridlm.config import ModelConfig
+
+_MIN_CAPACITY = 64
+
+
+class KVState:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch: int,
+        *,
+        capacity: int = _MIN_CAPACITY,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.cfg = cfg
+        self.batch = batch
+        self.n = 0
+        capacity = min(cfg.n_ctx, max(_MIN_CAPACITY, capacity))
+        self.kv = torch.zeros(
+            cfg.n_layer, 2, batch, cfg.n_kv_head, capacity, cfg.d_head, dtype=dtype, device=device
+        )
+        self.tokens = torch.zeros(batch, 0, dtype=torch.long, device=device)
+        self.logits: torch.Tensor | None = None  # z: readout at the last position, [B, V]
+        self.rebuilds = 0  # how many times Π_T forced a re-prefill
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[4]
+
+    @property
+    def dim(self) -> int:
+        """Number of real numbers in x_t: 2 · L · N_kv · d_k · n per sequence."""
+        c = self.cfg
+        return 2 * c.n_layer * c.n_kv_head * c.d_head * self.n
+
+    def nbytes(self) -> int:
+        """Bytes of the filled part of the state (all sequences of the batch)."""
+        return self.dim * self.batch * self.kv.element_size()
+
+    # ------------------------------------------------------------------ views
+    def keys(self, layer: int) -> torch.Tensor:
+        """K^{(ℓ,·)}_{1:n}: [B, N_kv, n, d_k]."""
+        return self.kv[layer, 0, :, :, : self.n]
+
+    def values(self, layer: int) -> torch.Tensor:
+        """V^{(ℓ,·)}_{1:n}: [B, N_kv, n, d_k]."""
+        return self.kv[layer, 1, :, :, : self.n]
+
+    # ------------------------------------------------------------------ updates (used by F)
+    def reserve(self, m: int) -> None:
+        """Make room for m more positions (m ≤ T − n)."""
+        need = self.n + m
+        if need > self.cfg.n_ctx:
+            raise ValueError(f"state holds {self.n} positions; {m} more exceed T={self.cfg.n_ctx}")
+        if need <= self.capacity:
+            return
+        capacity = min(self.cfg.n_ctx, max(need, 2 * self.capacity))
+        grown = self.kv.new_zeros(*self.kv.shape[:4], capacity, self.kv.shape[5])
+        grown[..., : self.n, :] = self.kv[..., : self.n, :]
+        self.kv = grown
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new rows k, v ([B, N_kv, m, d_k]) after position n; return K, V over 1..n+m."""
+        end = self.n + k.shape[2]
+        self.kv[layer, 0, :, :, self.n : end] = k
+        self.kv[layer, 1, :, :, self.n : end] = v
+        return self.kv[layer, 0, :, :, :end], self.kv[layer, 1, :, :, :end]
+
+    def commit(self, w: torch.Tensor) -> None:
+        """Record that the tokens w ([B, m]) entered the state."""
+        self.tokens = torch.cat([self.tokens, w], dim=1)
+        self.n += w.shape[1]
+
+    def reset(self) -> None:
+        self.n = 0
+        self.tokens = self.tokens[:, :0]
+        self.logits = None
+
+    # ------------------------------------------------------------------ copies
+    def clone(self) -> "KVState":
+        """An independent copy: F updates a state in place, so keep x_t with x.clone()."""
+        other = KVState.__new__(KVState)
+        other.cfg, other.batch, other.n, other.rebuilds = self.cfg, self.batch, self.n, self.rebuilds
+        other.kv = self.kv.clone()
+        other.tokens = self.tokens.clone()
+        other.logits = None if self.logits is None else self.logits.clone()
+        return other
+
+    def __repr__(self) -> str:
+        return (
+            f"KVState(batch={self.batch}, n={self.n}, T={self.cfg.n_ctx}, layers={self.cfg.n_layer}, "
+            f"kv_heads={self.cfg.n_kv_head}, d_k={self.cfg.d_head}, bytes={self.nbytes()})"
+        )

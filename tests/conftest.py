@@ -1,0 +1,47 @@
+"""Shared fixtures. Tests use local files only: no model hub."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def make_hub_gpt2(folder, *, n_layer, n_embd, n_head, vocab_size=50257, n_positions=1024, seed=0):
+    """Random GPT-2 weights written by transformers in the hub layout (independent of hybridlm).
+
+    Every parameter, biases and norm gains included, gets noise so that a mistake in any
+    tensor's placement or orientation shows up in the logits.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab_size, n_positions=n_positions,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or ".ln_" in name or "ln_f" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session")
+def toy_hub(tmp_path_factory):
+    """A 2-layer GPT-2 with GPT-2's alphabet, in the hub layout, and the transformers model."""
+    folder = tmp_path_factory.mktemp("toy_gpt2")
+    ref = make_hub_gpt2(folder, n_layer=2, n_embd=64, n_head=4, seed=1)
+    return folder, ref
+
+
+@pytest.fixture(scope="session")
+def toy_model(toy_hub):
+    from hybridlm import load_model
+
+    return load_model(toy_hub[0])

@@ -1,0 +1,93 @@
+"""The command line: JSON output, and exit code 2 with a clear message for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from hybridlm.cli import cli
+
+
+@pytest.fixture(scope="module")
+def run(toy_hub):
+    folder = str(toy_hub[0])
+
+    def invoke(*args, model=True):
+        extra = ["--model", folder] if model else []
+        return CliRunner().invoke(cli, ["generate", *args, *extra])
+
+    return invoke
+
+
+def test_generate_json(run, toy_model):
+    r = run("The state x_t", "--max-new-tokens", "5", "--seed", "3", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["prompt_ids"] == toy_model.tokenizer.encode("The state x_t")
+    assert len(out["generated_ids"]) == out["token_steps"] <= 5
+    assert out["text"] == toy_model.tokenizer.decode(out["generated_ids"])
+    again = json.loads(run("The state x_t", "--max-new-tokens", "5", "--seed", "3", "--json").output)
+    assert again["generated_ids"] == out["generated_ids"]
+
+
+def test_generate_greedy_matches_argmax(run, toy_model):
+    import torch
+
+    out = json.loads(run("1 2 3", "--ids", "--greedy", "-n", "1", "--json").output)
+    expect = int(toy_model(torch.tensor([[1, 2, 3]]))[0, -1].argmax())
+    assert out["prompt_ids"] == [1, 2, 3] and out["generated_ids"] == [expect]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["   "], "empty prompt"),
+        (["", "--ids"], "empty prompt"),
+        (["5,50257", "--ids"], "50257"),
+        (["5,-1", "--ids"], "-1"),
+        (["x", "--temperature", "0"], "temperature"),
+        (["x", "--temperature", "-0.5"], "temperature"),
+        (["x", "--greedy", "--temperature", "1"], "greedy"),
+        (["x", "--top-p", "0"], "top-p"),
+        (["x", "--top-p", "1.2"], "top-p"),
+        (["x", "--top-k", "0"], "top-k"),
+    ],
+)
+def test_bad_input_exit_2(run, args, message):
+    r = run(*args)
+    assert r.exit_code == 2, r.output
+    assert message in r.output and "Traceback" not in r.output
+
+
+def test_bad_models_exit_2(tmp_path, toy_hub):
+    runner = CliRunner()
+    r = runner.invoke(cli, ["generate", "x", "--model", "gpt7-ultra"])
+    assert r.exit_code == 2 and "unknown model 'gpt7-ultra'" in r.output
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text((toy_hub[0] / "config.json").read_text())
+    r = runner.invoke(cli, ["generate", "x", "--model", str(empty)])
+    assert r.exit_code == 2 and "holds no weights" in r.output
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((toy_hub[0] / "config.json").read_text())
+    data = (toy_hub[0] / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
+    r = runner.invoke(cli, ["generate", "x", "--model", str(broken)])
+    assert r.exit_code == 2 and "truncated or corrupt" in r.output
+
+
+def test_preset_offline_names_local_folder():
+    r = CliRunner().invoke(cli, ["generate", "x", "--model", "gpt2-medium"])
+    assert r.exit_code == 2
+    assert "local" in r.output and "--model /path/to/gpt2-medium" in r.output
+
+
+def test_console_script_exit_code(toy_hub):
+    """The installed entry point, as a user runs it: exit 2, one message, no traceback."""
+    cmd = [sys.executable, "-m", "hybridlm.cli", "generate", "hi", "--model", str(toy_hub[0]), "--top-k", "0"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "top-k" in p.stderr and "Traceback" not in p.stderr
