@@ -109,6 +109,23 @@ def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top
         )
 
 
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
+def models(as_json):
+    """List the models available on this machine and where each comes from."""
+    from hybridlm.loading import available_models
+
+    rows = available_models()
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        mark = "✓" if r["available"] else "✗"
+        default = " (default)" if r["default"] else ""
+        click.echo(f"{mark} {r['name']:<{width}}  {r['family']:<6} {r['source']}{default}")
+
+
 def _prompt_ids(prompt: str, model, *, as_ids: bool, chat: bool) -> list[int]:
     from hybridlm.alphabet import check_tokens
     from hybridlm.errors import InputError

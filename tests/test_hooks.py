@@ -1,0 +1,72 @@
+"""Named hook points: names, caching, replacement, and the sphere of LayerNorm."""
+
+import math
+
+import torch
+
+from hybridlm import ModelConfig, load_model
+
+
+def small(**changes):
+    cfg = ModelConfig(vocab_size=120, n_ctx=32, d_model=24, n_layer=3, n_head=3, eos_token_id=None)
+    return load_model(cfg.replace(**changes), seed=2)
+
+
+def test_names_follow_transformerlens():
+    names = set(small().hook_points)
+    for l in range(3):
+        for n in ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post",
+                  "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_attn_scores", "attn.hook_pattern",
+                  "attn.hook_z", "ln1.hook_normalized", "ln2.hook_normalized", "mlp.hook_pre", "mlp.hook_post"):
+            assert f"blocks.{l}.{n}" in names
+    assert {"hook_embed", "pos_embed.hook_pos_embed", "ln_final.hook_normalized", "hook_logits"} <= names
+
+
+def test_run_with_cache_reads_the_trajectory():
+    m = small()
+    ids = torch.randint(0, 120, (2, 9))
+    logits, cache = m.run_with_cache(ids, names=lambda n: "resid" in n or "pattern" in n)
+    assert not any(p.fns for p in m.hook_points.values())  # hooks removed afterwards
+    assert torch.allclose(m.readout(cache["blocks.2.hook_resid_post"]), logits, atol=1e-5)
+    for l in range(2):  # H⁽ℓ⁾ leaving block ℓ is H⁽ℓ⁾ entering block ℓ+1
+        assert torch.equal(cache[f"blocks.{l}.hook_resid_post"], cache[f"blocks.{l + 1}.hook_resid_pre"])
+    assert cache["blocks.0.attn.hook_pattern"].shape == (2, 3, 9, 9)
+
+
+def test_layernorm_normalized_lies_on_sphere():
+    """Before its affine part LN maps onto {Σx_j = 0, ‖x‖ = √d} (exactly so as ε → 0)."""
+    m = small(norm_eps=1e-12)
+    _, cache = m.run_with_cache(torch.randint(0, 120, (1, 12)), names="blocks.1.ln2.hook_normalized")
+    x = cache["blocks.1.ln2.hook_normalized"]
+    d = m.config.d_model
+    assert torch.allclose(x.sum(-1), torch.zeros(x.shape[:-1]), atol=1e-5)
+    assert torch.allclose(x.norm(dim=-1), torch.full(x.shape[:-1], math.sqrt(d)), atol=1e-3)
+
+
+def test_hook_injects_input_into_residual_stream():
+    """Adding u to H⁽⁰⁾ at the rows of token v equals adding u to row v of W_e (untied W_u)."""
+    m = small(tie_embeddings=False)
+    ids = torch.tensor([[5, 7, 9, 11]])
+    u = torch.randn(m.config.d_model)
+
+    def inject(h, hook):
+        return h + (ids[..., None] == 7) * u
+
+    with m.hooks({"blocks.0.hook_resid_pre": inject}):
+        steered = m(ids)
+    with torch.no_grad():
+        m.W_e[7] += u
+        shifted = m(ids)
+        m.W_e[7] -= u
+    assert torch.allclose(steered, shifted, atol=1e-5)
+    assert not torch.allclose(steered, m(ids), atol=1e-3)
+
+
+def test_hook_context_gives_positions_during_decode():
+    m = small()
+    seen = []
+    x = m.init_state([1, 2, 3])
+    with m.hooks({"blocks.0.hook_resid_pre": lambda h, hook: seen.append(hook.ctx.pos.tolist())}):
+        m.F(x, [4])
+        m.F(x, [5])
+    assert seen == [[3], [4]]
