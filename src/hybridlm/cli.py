@@ -110,6 +110,117 @@ def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top
 
 
 @cli.command()
+@click.argument("task")
+@click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
+@click.option("--tools", default="calculator", show_default=True, help="Comma-separated: calculator, clock, lookup.")
+@click.option("--kb", type=click.Path(dir_okay=False), default=None, help="JSON knowledge base for the lookup tool.")
+@click.option("--tool-choice", type=click.Choice(["required", "auto", "none"]), default="required", show_default=True,
+              help="required: the first turn opens a tool call; auto: the model decides; none: no tools.")
+@click.option("--max-jumps", default=3, show_default=True, type=click.IntRange(min=0), help="Jump horizon.")
+@click.option("--max-new-tokens", "-n", default=160, show_default=True, type=click.IntRange(min=1),
+              help="Token budget of the whole arc.")
+@click.option("--temperature", "-t", type=float, default=None, help="Sample at τ > 0 (default: greedy).")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the hybrid arc to this JSONL file as it happens.")
+@click.option("--states", is_flag=True, help="With --trace: also save the final-layer state of each token (safetensors).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def agent(task, model_spec, tools, kb, tool_choice, max_jumps, max_new_tokens, temperature, seed, trace_path,
+          states, as_json):
+    """Run TASK through the agentic hybrid automaton (generate ⇄ external modes)."""
+    from hybridlm.agent import HybridAgent, Limits, registry
+    from hybridlm.errors import InputError
+    from hybridlm.kernel import Kernel
+    from hybridlm.loading import load_model
+
+    if not task.strip():
+        raise InputError("empty task: give the agent something to do")
+    names = [n.strip() for n in tools.split(",") if n.strip()]
+    reg = registry(names, kb=kb)
+    kernel = Kernel(greedy=True) if temperature is None else Kernel(temperature=temperature)
+    model = load_model(model_spec, seed=seed)
+    runner = HybridAgent(model, reg, kernel=kernel, limits=Limits(max_token_steps=max_new_tokens, max_jumps=max_jumps),
+                         tool_choice=tool_choice, seed=seed, record_states=states)
+    arc = runner.run(task, trace=trace_path)
+    if as_json:
+        click.echo(json.dumps(arc.to_dict(), ensure_ascii=False))
+        return
+    for j in arc.jumps:
+        status = f" [{j.error}]" if j.error else ""
+        click.echo(f"  jump {j.k} at t={j.t}: {j.tool}({json.dumps(j.arguments)}) → {j.observation[:120]}{status}", err=True)
+    click.echo(arc.answer)
+    click.echo(f"[{arc.summary()}{', trace ' + trace_path if trace_path else ''}]", err=True)
+
+
+@cli.group(cls=Group)
+def trace():
+    """Read hybrid-arc traces."""
+
+
+@trace.command("show")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--tokens", is_flag=True, help="One line per token step.")
+def trace_show(file, tokens):
+    """Print the arc recorded in FILE as a timeline."""
+    from hybridlm.agent.trace import format_timeline, read_trace
+
+    click.echo(format_timeline(read_trace(file), tokens=tokens))
+
+
+@trace.command("replay")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
+def trace_replay(file, model_spec):
+    """Re-run the arc of FILE with its seed (observations from the trace) and compare tokens."""
+    from hybridlm.agent import replay
+    from hybridlm.loading import load_model
+
+    arc, same, first = replay(file, load_model(model_spec))
+    if same:
+        click.echo(f"identical: {arc.token_steps} token steps, {len(arc.jumps)} jumps reproduced")
+    else:
+        click.echo(f"differs from token step {first}")
+        raise SystemExit(1)
+
+
+@cli.group("eval", cls=Group)
+def eval_group():
+    """Built-in evaluations."""
+
+
+@eval_group.command("agent")
+@click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
+@click.option("--n", "n", default=50, show_default=True, type=click.IntRange(min=1), help="Number of problems.")
+@click.option("--modes", default="tools,no-tools", show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the full report as JSON.")
+def eval_agent(model_spec, n, modes, out):
+    """Arithmetic word problems: accuracy with the calculator and without tools."""
+    from hybridlm.agent.evaluation import evaluate
+    from hybridlm.errors import InputError
+    from hybridlm.loading import load_model
+
+    chosen = tuple(m.strip() for m in modes.split(","))
+    if not set(chosen) <= {"tools", "no-tools"}:
+        raise InputError(f"--modes {modes!r}: expected tools, no-tools or both")
+    model = load_model(model_spec)
+    done = {"count": 0}
+
+    def progress(mode, row):
+        done["count"] += 1
+        mark = "✓" if row["correct"] else "✗"
+        click.echo(f"{mode:>8} {done['count']:>3} {mark} {row['expected']:>12} ← {row['answer'][:60]!r}", err=True)
+
+    report = evaluate(model, n=n, modes=chosen, progress=progress)
+    for mode, r in report["modes"].items():
+        click.echo(f"{mode:>8}: accuracy {r['accuracy']:.0%} ({round(r['accuracy'] * n)}/{n}), "
+                   f"mean jumps {r['mean_jumps']:.2f}, mean wall {r['mean_wall_s']:.2f} s, "
+                   f"mean token steps {r['mean_token_steps']:.1f}")
+    if out:
+        with open(out, "w") as fh:
+            json.dump(report, fh, indent=2)
+
+
+@cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
 def models(as_json):
     """List the models available on this machine and where each comes from."""

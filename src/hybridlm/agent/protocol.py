@@ -1,0 +1,88 @@
+"""The tool-call protocol inside the model's chat template.
+
+The system prompt lists the tools with their JSON schemas and shows the format; one
+worked example (a user question, a call, a `<tool_response>`, an answer) follows as
+ordinary chat turns, because a small model follows an example better than a rule.
+A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; the observation
+returns as a turn of role `tool` holding `<tool_response>y</tool_response>`.
+
+Every piece of text is rendered with the model's own chat template: the block that the
+jump map injects, enc(y), is the difference between the rendering of the conversation
+with and without the tool turn, followed by the opening of the next assistant turn.
+"""
+
+from __future__ import annotations
+
+import json
+
+from hybridlm.agent.grammar import CLOSE, OPEN
+from hybridlm.agent.tools import ToolRegistry
+
+RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+
+SYSTEM = (
+    "You are a helpful assistant that can call tools. To call a tool, reply with exactly\n"
+    f'{OPEN}{{"name": TOOL_NAME, "arguments": {{...}}}}{CLOSE}\n'
+    f"and wait: the result comes back as {RESPONSE_OPEN}...{RESPONSE_CLOSE}. "
+    "Then answer the user in one short sentence that states the result.\n"
+    "Use the calculator for every calculation; never compute in your head.\n"
+    "Tools (JSON schemas):\n"
+)
+
+def _example(question: str, expression: str, result: str) -> list[tuple[str, str]]:
+    call = f'{OPEN}{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}{CLOSE}'
+    return [("user", question), ("assistant", call), ("tool", f"{RESPONSE_OPEN}{result}{RESPONSE_CLOSE}"),
+            ("assistant", f"The answer is {result}.")]
+
+
+EXAMPLE = [
+    *_example("A shop has 37 shelves with 21 jars on each shelf. How many jars are there?", "37 * 21", "777"),
+    *_example("What is 5230 minus 148?", "5230 - 148", "5082"),
+]
+
+
+def call_text(name: str, arguments: dict) -> str:
+    return f"{OPEN}{json.dumps({'name': name, 'arguments': arguments})}{CLOSE}"
+
+
+class Protocol:
+    """Renders the conversation of an agent run with the tokenizer's chat template."""
+
+    def __init__(self, tokenizer, tools: ToolRegistry, *, example: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.tools = tools
+        self.example = example and "calculator" in tools
+
+    def system_prompt(self) -> str:
+        if not self.tools.tools:
+            return "You are a helpful assistant. Answer in one short sentence."
+        return SYSTEM + "\n".join(json.dumps(t.schema()) for t in self.tools)
+
+    def messages(self, task: str) -> list[dict]:
+        msgs = [{"role": "system", "content": self.system_prompt()}]
+        if self.example:
+            msgs += [{"role": r, "content": c} for r, c in EXAMPLE]
+        return msgs + [{"role": "user", "content": task}]
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer.encode(self.tokenizer.render_chat(messages, add_generation_prompt=True))
+
+    def observation_ids(self, messages: list[dict], observation: str, *, turn_closed: bool = False) -> list[int]:
+        """enc(y): close the assistant turn, the tool turn with y, open the next assistant turn.
+
+        `messages` ends with the assistant turn that made the call; `turn_closed` says the
+        model already emitted the end-of-turn token (an unconstrained call cut short).
+        """
+        tok = self.tokenizer
+        before = tok.render_chat(messages, add_generation_prompt=False)
+        tool_turn = {"role": "tool", "content": f"{RESPONSE_OPEN}{observation}{RESPONSE_CLOSE}"}
+        after = tok.render_chat([*messages, tool_turn], add_generation_prompt=True)
+        if not after.startswith(before):
+            raise ValueError("the chat template does not render conversations as growing prefixes")
+        # `before` ends with the rendered end of the assistant turn, which the model has not
+        # generated (generation stops at </tool_call>): inject it as part of enc(y).
+        content = messages[-1]["content"]
+        call_end = before[before.rindex(content) + len(content):]
+        if turn_closed and tok.end_of_turn_id is not None:
+            call_end = call_end.removeprefix(tok.token_str(tok.end_of_turn_id))
+        return tok.encode(call_end + after[len(before):])

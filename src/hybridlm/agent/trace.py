@@ -1,0 +1,122 @@
+"""The hybrid arc on disk: one JSON event per line, written and flushed as it happens.
+
+Events (every one carries the hybrid time (t, k) and the wall time `wall_s`):
+- `start`: the run's configuration (task, model, kernel, limits, tools, seed);
+- `phase`: a phase change (prefill, decode, constrained, external) and the mode q_G / q_E;
+- `token`: one token step of the flow, with the token and its text;
+- `jump`: one jump, with the tool, arguments, observation, error and duration;
+- `end`: the answer, the stop reason and totals.
+
+Each line is written with one `write` and flushed (and fsynced at phase changes), so a run
+killed at any moment leaves a file whose every line parses. Optional tensors (the
+final-layer state of each token) go to a safetensors file beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from hybridlm.errors import InputError
+
+
+class TraceWriter:
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.path, "w", encoding="utf-8")
+
+    def write(self, event: str, **fields: Any) -> None:
+        line = json.dumps({"event": event, **fields}, ensure_ascii=False, default=str)
+        self._fh.write(line + "\n")
+        self._fh.flush()
+        if event in ("start", "phase", "jump", "end"):
+            os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class NullTrace:
+    """Stands in for a TraceWriter when no trace is asked for."""
+
+    path = None
+
+    def write(self, event: str, **fields: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def read_trace(path: str | os.PathLike) -> list[dict]:
+    """All events of a trace file; a malformed line is an error naming its number."""
+    return list(iter_trace(path))
+
+
+def iter_trace(path: str | os.PathLike) -> Iterator[dict]:
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"no trace file at {p}")
+    with open(p, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                event = json.loads(line)
+            except ValueError as exc:
+                raise InputError(f"{p}:{number}: not a JSON line ({exc})") from None
+            if not isinstance(event, dict) or "event" not in event:
+                raise InputError(f"{p}:{number}: not a trace event")
+            yield event
+
+
+def format_timeline(events: list[dict], *, tokens: bool = False) -> str:
+    """A readable timeline of the arc: phases and jumps, with the text of each decode run."""
+    lines: list[str] = []
+    text: list[str] = []
+
+    def flush_text() -> None:
+        if text:
+            lines.append(f"{'':>24}│ {''.join(text)!r}")
+            text.clear()
+
+    for e in events:
+        kind = e["event"]
+        stamp = f"t={e.get('t', 0):<4} k={e.get('k', 0):<2} {e.get('wall_s', 0.0):7.2f}s"
+        if kind == "token":
+            if tokens:
+                lines.append(f"{stamp} │   token {e['token']:>6} {e['text']!r}")
+            else:
+                text.append(e["text"])
+        elif kind == "phase":
+            flush_text()
+            extra = f" ({e['tokens']} tokens)" if "tokens" in e else ""
+            lines.append(f"{stamp} │ {e['mode']} {e['phase']}{extra}")
+        elif kind == "jump":
+            flush_text()
+            status = f"error={e['error']}" if e.get("error") else "ok"
+            lines.append(
+                f"{stamp} │ JUMP {e['k']}: {e['tool']}({json.dumps(e['arguments'])}) → "
+                f"{e['observation'][:80]!r} [{status}, {e['duration_s']:.3f}s]"
+            )
+        elif kind == "start":
+            lines.append(f"{stamp} │ start: {e.get('task')!r} model={e.get('model')} seed={e.get('seed')}")
+        elif kind == "end":
+            flush_text()
+            lines.append(
+                f"{stamp} │ end ({e.get('stop_reason')}): {e.get('answer')!r}; "
+                f"q_G {e.get('wall_generate_s', 0):.2f}s, q_E {e.get('wall_external_s', 0):.2f}s"
+            )
+    flush_text()
+    return "\n".join(lines)
