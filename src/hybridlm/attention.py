@@ -24,6 +24,7 @@ from torch import nn
 
 from hybridlm.config import ModelConfig
 from hybridlm.hooks import HookPoint
+from hybridlm.linear import Linear
 from hybridlm.positions import Rotary
 from hybridlm.state import KVState
 
@@ -34,8 +35,8 @@ class Attention(nn.Module):
         self.layer = layer
         self.n_head, self.n_kv_head, self.d_head = cfg.n_head, cfg.n_kv_head, cfg.d_head
         width = (cfg.n_head + 2 * cfg.n_kv_head) * cfg.d_head
-        self.W_qkv = nn.Linear(cfg.d_model, width, bias=cfg.attn_bias)
-        self.W_O = nn.Linear(cfg.n_head * cfg.d_head, cfg.d_model, bias=cfg.attn_out_bias)
+        self.W_qkv = Linear(cfg.d_model, width, bias=cfg.attn_bias)
+        self.W_O = Linear(cfg.n_head * cfg.d_head, cfg.d_model, bias=cfg.attn_out_bias)
         self.scale = 1.0 / math.sqrt(cfg.d_head)
         # [B, pos, head, d_k] for q, k, v, z; [B, head, query_pos, key_pos] for scores, pattern
         self.hook_q = HookPoint()

@@ -102,6 +102,7 @@ def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top
         if tok is None:
             click.echo(" ".join(map(str, generated)), nl=False)
         click.echo()
+        sys.stdout.flush()
         click.echo(
             f"[{len(steps)} token steps, {gen_s:.2f} s, {len(steps) / max(gen_s, 1e-9):.1f} tok/s, "
             f"{kernel.describe()}, model {model.source}]",

