@@ -151,20 +151,20 @@ class HybridAgent:
         self.grammar = self._open_call() if self.tool_choice == "required" else None
         self.turn: list[int] = []
         self._phase("constrained" if self.grammar else "decode")
+        self.answered = False
         g_start = time.perf_counter()
         with self._state_recorder():
-            while True:
+            while True:  # the arc goes on while it is in C ∪ D
                 if self.in_jump_set():
                     self.arc.wall_generate_s += time.perf_counter() - g_start
                     self.jump()
                     g_start = time.perf_counter()
-                    continue
-                if self.t >= self.limits.max_token_steps:
-                    break
-                if self.flow():
-                    self.arc.stop_reason = "answer"
+                elif self.in_flow_set():
+                    self.flow()
+                else:
                     break
         self.arc.wall_generate_s += time.perf_counter() - g_start
+        self.arc.stop_reason = "answer" if self.answered else "token_budget"
         self.arc.answer = self.tokenizer.decode([i for i in self.turn if i not in self.stop_ids]).strip()
         self.arc.token_steps = self.t
         self._trace.write("end", t=self.t, k=self.k, wall_s=self._wall(), answer=self.arc.answer,
@@ -191,10 +191,12 @@ class HybridAgent:
 
     # ------------------------------------------------------------------ C and f
     def in_flow_set(self) -> bool:
-        return self.q == "q_G" and not self.in_jump_set()
+        """C: generating, the answer not finished, token budget left, and not in D."""
+        return (self.q == "q_G" and not self.answered and self.t < self.limits.max_token_steps
+                and not self.in_jump_set())
 
-    def flow(self) -> bool:
-        """One token step of f; returns True when the answer is complete (a stop token)."""
+    def flow(self) -> None:
+        """f: one token step; a stop token outside a call finishes the answer."""
         z = self.model.G(self.x)
         allowed = self.grammar.allowed() if self.grammar else self._free_allowed()
         if allowed is not None:
@@ -212,10 +214,11 @@ class HybridAgent:
                 self.grammar.ended = True
             else:
                 self.grammar.feed(text)
-            return False
+            return
         self.turn.append(token)
         if token in self.stop_ids:
-            return True
+            self.answered = True
+            return
         if self._may_jump():
             turn_text = self.tokenizer.decode(self.turn)
             if OPEN in turn_text:  # the model opened a call by itself: constrain what follows
@@ -227,7 +230,6 @@ class HybridAgent:
                     self.grammar.feed(rest)
                 except ValueError:
                     self.grammar.segments.clear()  # malformed: D is reached, g reports the error
-        return False
 
     def _open_call(self):
         """A call segment forced open at the start of the turn (tool choice "required")."""
