@@ -222,6 +222,49 @@ def eval_agent(model_spec, n, modes, out):
 
 
 @cli.command()
+@click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
+@click.option("--weights", type=click.Choice(["pretrained", "random-fixed", "random-redrawn"]), default="pretrained",
+              show_default=True, help="Pretrained, random and fixed across passes, or redrawn every pass.")
+@click.option("--attention-only", is_flag=True, help="Remove the MLP sublayer (eq. 0.41).")
+@click.option("--prompts", default=8, show_default=True, type=click.IntRange(min=1))
+@click.option("--prompt-len", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--passes", default=20, show_default=True, type=click.IntRange(min=1))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, or auto (cuda when present).")
+@click.option("--out", type=click.Path(file_okay=False), default=None, help="Output folder (CSV, JSON, PNG, checkpoint).")
+@click.option("--table1", "sentence", default=None, help="Print Table 1: the sentence decoded after 1, 2, 4, 10 passes.")
+def consensus(model_spec, weights, attention_only, prompts, prompt_len, passes, seed, device, out, sentence):
+    """Loop the blocks and measure consensus E(k) (survey eq. 0.45, Figs. 6–9, Table 1)."""
+    import torch
+
+    from hybridlm.analysis.runner import ConsensusConfig, run_consensus
+    from hybridlm.errors import InputError
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if sentence is not None:
+        from hybridlm.analysis.consensus import table1
+        from hybridlm.loading import load_model
+
+        if not sentence.strip():
+            raise InputError("--table1 needs a sentence")
+        model = load_model(model_spec, device=device)
+        for row in table1(model, sentence, attention_only=attention_only):
+            click.echo(f"{row['passes']:>3} passes  E={row['E']:.4f}  majority {row['majority_token']!r} "
+                       f"{row['majority_share']:.0%}  │ {row['text']!r}")
+        return
+    if out is None:
+        raise InputError("--out DIR is needed for a consensus run (or use --table1)")
+    cfg = ConsensusConfig(model=model_spec or "smollm2-135m", weights=weights, attention_only=attention_only,
+                          prompts=prompts, prompt_len=prompt_len, passes=passes, seed=seed)
+    summary = run_consensus(cfg, out, device=device)
+    below = summary["first_layer_step_below_0.05"]
+    click.echo(f"E: {summary['E_initial']:.4f} at k=0, {summary['E_after_first_pass']:.4f} after pass 1, "
+               f"{summary['E_final']:.4f} after pass {passes} (k={summary['layer_steps']}); "
+               f"first k with E < 0.05: {below if below is not None else 'never'}; wrote {out}")
+
+
+@cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
 def models(as_json):
     """List the models available on this machine and where each comes from."""

@@ -6,7 +6,8 @@
     Y    = LN_f(H⁽ᴸ⁾) W_u,   z(s) = last row of Y                (readout)
 
 One implementation serves every family; the parts that differ (norm, positions, MLP,
-key/value grouping, biases, tying) are chosen by the `ModelConfig`.
+key/value grouping, biases, tying, score scale, global/local attention) are chosen by the
+`ModelConfig`.
 
 State-space form: `init_state(s)` prefills x from a string, `F(x, w)` appends tokens
 (rebuilding from Π_T(s ∘ w) when the horizon T would be exceeded) and `G(x)` reads out
@@ -199,14 +200,17 @@ class DecoderLM(HookedModule):
         )
 
 
-def init_weights(model: DecoderLM, seed: int = 0) -> DecoderLM:
-    """GPT-2's initialisation: N(0, σ²) everywhere, residual projections σ/√(2L), zero biases."""
+def init_weights(model: DecoderLM, seed: int = 0, *, part: nn.Module | None = None) -> DecoderLM:
+    """GPT-2's initialisation: N(0, σ²) everywhere, residual projections σ/√(2L), zero biases.
+
+    `part` (e.g. `model.blocks`) restricts the draw to that submodule.
+    """
     cfg = model.config
     g = torch.Generator().manual_seed(seed)
     std = cfg.init_std
     residual_std = std / math.sqrt(2 * cfg.n_layer)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in (model if part is None else part).named_parameters():
             if name.endswith(("ln1.weight", "ln2.weight", "ln_final.weight")):
                 p.fill_(1.0)
             elif name.endswith("bias"):

@@ -1,0 +1,124 @@
+"""The looped transformer and the consensus runner."""
+
+import csv
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from hybridlm import ModelConfig, load_model
+from hybridlm.analysis import consensus as C
+from hybridlm.analysis import runner as R
+from hybridlm.analysis.sphere import consensus_E
+
+torch.set_num_threads(1)
+
+
+def tiny(**changes):
+    cfg = ModelConfig(vocab_size=200, n_ctx=64, d_model=32, n_layer=3, n_head=4, eos_token_id=None).replace(**changes)
+    return load_model(cfg, seed=3)
+
+
+def test_first_pass_is_the_forward_map():
+    """Layer-steps 1..L of pass 1 are H⁽¹⁾..H⁽ᴸ⁾ of the ordinary forward pass."""
+    m = tiny()
+    ids = torch.randint(0, 200, (2, 10))
+    _, cache = m.run_with_cache(ids, names=lambda n: n.endswith("hook_resid_post"))
+    steps = list(C.looped(m, C.embed(m, ids), passes=1))
+    assert [s.k for s, _ in steps] == [0, 1, 2, 3]
+    for step, h in steps[1:]:
+        expect = cache[f"blocks.{step.layer}.hook_resid_post"]
+        assert torch.allclose(h, expect, atol=1e-6)
+        assert torch.allclose(step.E, consensus_E(expect), atol=1e-6)
+
+
+def test_first_pass_is_the_forward_map_rotary():
+    m = tiny(norm="rmsnorm", positions="rotary", mlp="swiglu", n_kv_head=2, attn_bias=False, attn_out_bias=False,
+             mlp_bias=False)
+    ids = torch.randint(0, 200, (1, 12))
+    _, cache = m.run_with_cache(ids, names="blocks.2.hook_resid_post")
+    *_, (step, h) = C.looped(m, C.embed(m, ids), passes=1)
+    assert torch.allclose(h, cache["blocks.2.hook_resid_post"], atol=1e-6)
+
+
+def test_attention_only_drops_the_mlp():
+    m = tiny()
+    ids = torch.randint(0, 200, (1, 8))
+    h0 = C.embed(m, ids)
+    (_, _), (_, h1) = list(C.looped(m, h0, passes=1, attention_only=True))[:2]
+    b = m.blocks[0]
+    pos = torch.arange(8)
+    assert torch.allclose(h1, h0 + b.attn(b.ln1(h0), pos), atol=1e-6)
+
+
+def test_redrawn_weights_change_each_pass_deterministically():
+    m = tiny()
+    C.redraw(m, 5)
+    a = m.blocks[0].attn.W_qkv.weight.clone()
+    C.redraw(m, 6)
+    assert not torch.equal(a, m.blocks[0].attn.W_qkv.weight)
+    C.redraw(m, 5)
+    assert torch.equal(a, m.blocks[0].attn.W_qkv.weight)
+
+
+def test_consensus_is_reached_by_random_attention_loops():
+    """Random fixed weights, attention only: E(k) decays towards 0 (seed 002, Fig. 8)."""
+    m = tiny()
+    ids = C.random_prompts(m, 4, 16, seed=0)
+    E = [s.E.mean().item() for s, _ in C.looped(m, C.embed(m, ids), passes=30, attention_only=True)]
+    assert E[0] > 0.5
+    assert E[-1] < 0.5 * E[0]
+    assert all(b <= a + 1e-3 for a, b in zip(E[::9], E[9::9]))  # pass over pass it does not grow
+
+
+def run(tmp_path, name, **kw):
+    cfg = R.ConsensusConfig(model="random:gpt2", **kw)
+    return cfg, tmp_path / name
+
+
+def test_runner_writes_csv_json_png_and_resumes(tmp_path, monkeypatch):
+    tiny_model = tiny()
+    monkeypatch.setattr(R, "prepare_model", lambda cfg, device: tiny_model)
+    cfg = R.ConsensusConfig(model="tiny", weights="random-redrawn", prompts=3, prompt_len=10, passes=4, seed=1)
+    full = R.run_consensus(cfg, tmp_path / "full", progress=False)
+    rows = list(csv.DictReader(open(tmp_path / "full" / "consensus.csv")))
+    assert len(rows) == 1 + 4 * 3 and list(rows[0]) == R.COLUMNS
+    summary = json.loads((tmp_path / "full" / "summary.json").read_text())
+    assert summary["layer_steps"] == 12 and summary["config"]["weights"] == "random-redrawn"
+    assert (tmp_path / "full" / "consensus.png").stat().st_size > 1000
+
+    real_checkpoint = R._checkpoint
+
+    def crash_after_two(out, cfg, h, done):
+        real_checkpoint(out, cfg, h, done)
+        if done == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(R, "_checkpoint", crash_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        R.run_consensus(cfg, tmp_path / "resumed", progress=False)
+    monkeypatch.setattr(R, "_checkpoint", real_checkpoint)
+    R.run_consensus(cfg, tmp_path / "resumed", progress=False)
+    resumed = list(csv.DictReader(open(tmp_path / "resumed" / "consensus.csv")))
+    assert [r["layer_step"] for r in resumed] == [r["layer_step"] for r in rows]
+    for a, b in zip(rows, resumed):
+        assert float(a["E_mean"]) == pytest.approx(float(b["E_mean"]), abs=1e-6)
+    other = R.ConsensusConfig(model="tiny", prompts=3, prompt_len=10, passes=4, seed=2)
+    with pytest.raises(Exception, match="another configuration"):
+        R.run_consensus(other, tmp_path / "resumed", progress=False)
+
+
+def test_cli_consensus_and_table1(tmp_path, toy_hub):
+    from hybridlm.cli import cli
+
+    out = tmp_path / "run"
+    r = CliRunner().invoke(cli, ["consensus", "--model", str(toy_hub[0]), "--weights", "random-fixed",
+                                 "--prompts", "2", "--prompt-len", "8", "--passes", "2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "after pass 2" in r.output and (out / "summary.json").exists()
+    r = CliRunner().invoke(cli, ["consensus", "--model", str(toy_hub[0]), "--table1", "Deep neural networks, in their"])
+    assert r.exit_code == 0, r.output
+    assert [line.split()[0] for line in r.output.strip().splitlines()] == ["1", "2", "4", "10"]
+    r = CliRunner().invoke(cli, ["consensus", "--model", str(toy_hub[0])])
+    assert r.exit_code == 2 and "--out" in r.output
