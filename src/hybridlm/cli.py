@@ -275,10 +275,11 @@ def models(as_json):
         click.echo(json.dumps(rows, indent=2))
         return
     width = max(len(r["name"]) for r in rows)
+    fam = max(len(r["family"]) for r in rows)
     for r in rows:
         mark = "✓" if r["available"] else "✗"
         default = " (default)" if r["default"] else ""
-        click.echo(f"{mark} {r['name']:<{width}}  {r['family']:<6} {r['source']}{default}")
+        click.echo(f"{mark} {r['name']:<{width}}  {r['family']:<{fam}}  {r['source']}{default}")
 
 
 def _prompt_ids(prompt: str, model, *, as_ids: bool, chat: bool) -> list[int]:

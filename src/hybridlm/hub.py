@@ -1,16 +1,20 @@
-"""The model hub's GPT-2 file layout: `config.json` + `model.safetensors`.
+"""The model hub's file layouts of GPT-2 and GPT-Neo: `config.json` + `model.safetensors`.
 
-The hub stores GPT-2's projections as Conv1D weights of shape [in, out] (y = x W + b);
-hybridlm's linear maps are [out, in] (y = x Wᵀ + b), so those matrices are transposed on
-the way in and out. Buffers the hub keeps beside the weights (`attn.bias`, the causal
-mask) carry no parameters and are skipped.
+`config.json`'s model_type ("gpt2" | "gpt_neo") picks the layout. The hub stores GPT-2's
+projections as Conv1D weights of shape [in, out] (y = x W + b); hybridlm's linear maps
+are [out, in] (y = x Wᵀ + b), so those matrices are transposed on the way in and out.
+GPT-Neo uses [out, in] linear maps already, with separate q/k/v projections that are
+stacked into our W_qkv. Buffers the hub keeps beside the weights (the causal masks
+`attn.bias`, `attn.attention.bias`) carry no parameters and are skipped.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -23,29 +27,93 @@ from hybridlm.model import DecoderLM
 # hub name (after the optional "transformer." prefix) → (our name, transpose)
 _GLOBAL = {"wte.weight": ("W_e", False), "wpe.weight": ("pos_embed.W_p", False),
            "ln_f.weight": ("ln_final.weight", False), "ln_f.bias": ("ln_final.bias", False)}
-_BLOCK = {
-    "ln_1.weight": ("ln1.weight", False), "ln_1.bias": ("ln1.bias", False),
-    "attn.c_attn.weight": ("attn.W_qkv.weight", True), "attn.c_attn.bias": ("attn.W_qkv.bias", False),
-    "attn.c_proj.weight": ("attn.W_O.weight", True), "attn.c_proj.bias": ("attn.W_O.bias", False),
-    "ln_2.weight": ("ln2.weight", False), "ln_2.bias": ("ln2.bias", False),
-    "mlp.c_fc.weight": ("mlp.W_fc.weight", True), "mlp.c_fc.bias": ("mlp.W_fc.bias", False),
-    "mlp.c_proj.weight": ("mlp.W_proj.weight", True), "mlp.c_proj.bias": ("mlp.W_proj.bias", False),
-}
-_SKIP_SUFFIXES = (".attn.bias", ".attn.masked_bias", "lm_head.weight")
+_NORMS = {"ln_1.weight": ("ln1.weight", False), "ln_1.bias": ("ln1.bias", False),
+          "ln_2.weight": ("ln2.weight", False), "ln_2.bias": ("ln2.bias", False)}
 
 
-def hub_to_ours(name: str) -> tuple[str, bool] | None:
+@dataclass(frozen=True)
+class Layout:
+    """One family's hub layout: config.json ↔ ModelConfig, and tensor names inside block h.{i}."""
+
+    model_type: str
+    family: str
+    block: dict[str, tuple[str, bool]]
+    skip: tuple[str, ...]  # suffixes of buffers and tied copies that carry no parameters
+    read_config: Callable[[dict], ModelConfig]
+    write_config: Callable[[ModelConfig], dict]
+    split_qkv: str | None = None  # block prefix of separate q_proj/k_proj/v_proj, stacked into W_qkv
+
+
+GPT2 = Layout(
+    model_type="gpt2",
+    family="gpt2",
+    block={
+        **_NORMS,  # Conv1D weights: [in, out]
+        "attn.c_attn.weight": ("attn.W_qkv.weight", True), "attn.c_attn.bias": ("attn.W_qkv.bias", False),
+        "attn.c_proj.weight": ("attn.W_O.weight", True), "attn.c_proj.bias": ("attn.W_O.bias", False),
+        "mlp.c_fc.weight": ("mlp.W_fc.weight", True), "mlp.c_fc.bias": ("mlp.W_fc.bias", False),
+        "mlp.c_proj.weight": ("mlp.W_proj.weight", True), "mlp.c_proj.bias": ("mlp.W_proj.bias", False),
+    },
+    skip=(".attn.bias", ".attn.masked_bias", "lm_head.weight"),
+    read_config=ModelConfig.from_hf_gpt2,
+    write_config=ModelConfig.to_hf_gpt2,
+)
+
+GPT_NEO = Layout(
+    model_type="gpt_neo",
+    family="gpt-neo",
+    block={
+        **_NORMS,  # nn.Linear weights: [out, in], as ours
+        "attn.attention.qkv_proj.weight": ("attn.W_qkv.weight", False),  # q_proj, k_proj, v_proj stacked
+        "attn.attention.out_proj.weight": ("attn.W_O.weight", False),
+        "attn.attention.out_proj.bias": ("attn.W_O.bias", False),
+        "mlp.c_fc.weight": ("mlp.W_fc.weight", False), "mlp.c_fc.bias": ("mlp.W_fc.bias", False),
+        "mlp.c_proj.weight": ("mlp.W_proj.weight", False), "mlp.c_proj.bias": ("mlp.W_proj.bias", False),
+    },
+    skip=(".attn.attention.bias", ".attn.attention.masked_bias", "lm_head.weight"),
+    read_config=ModelConfig.from_hf_gptneo,
+    write_config=ModelConfig.to_hf_gptneo,
+    split_qkv="attn.attention.",
+)
+
+LAYOUTS = {layout.model_type: layout for layout in (GPT2, GPT_NEO)}
+
+
+def hub_to_ours(name: str, layout: Layout = GPT2) -> tuple[str, bool] | None:
     """Map a hub tensor name to (our parameter name, transpose?), or None for skipped buffers."""
     name = name.removeprefix("transformer.")
     if name in _GLOBAL:
         return _GLOBAL[name]
-    if name.endswith(_SKIP_SUFFIXES):
+    if name.endswith(layout.skip):
         return None
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "h" and parts[1].isdigit() and parts[2] in _BLOCK:
-        ours, transpose = _BLOCK[parts[2]]
+    if len(parts) == 3 and parts[0] == "h" and parts[1].isdigit() and parts[2] in layout.block:
+        ours, transpose = layout.block[parts[2]]
         return f"blocks.{parts[1]}.{ours}", transpose
-    raise WeightsError(f"unexpected tensor {name!r} in a GPT-2 checkpoint")
+    raise WeightsError(f"unexpected tensor {name!r} in a {layout.model_type} checkpoint")
+
+
+def _stack_qkv(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Replace each block's {q,k,v}_proj.weight by their row stack qkv_proj.weight (= our W_qkv)."""
+    out = dict(tensors)
+    for name in [n for n in tensors if n.endswith(f"{prefix}q_proj.weight")]:
+        stem = name.removesuffix("q_proj.weight")
+        try:
+            out[f"{stem}qkv_proj.weight"] = torch.cat([out.pop(f"{stem}{x}_proj.weight") for x in "qkv"])
+        except KeyError as exc:
+            raise WeightsError(f"checkpoint has {name!r} but lacks {exc.args[0]!r}") from None
+    return out
+
+
+def _unstack_qkv(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("qkv_proj.weight"):
+            stem = name.removesuffix("qkv_proj.weight")
+            out.update({f"{stem}{x}_proj.weight": part.contiguous() for x, part in zip("qkv", t.chunk(3))})
+        else:
+            out[name] = t
+    return out
 
 
 def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
@@ -78,7 +146,8 @@ def weight_files(folder: Path) -> list[Path]:
     )
 
 
-def load_gpt2_folder(folder: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> DecoderLM:
+def load_hub_folder(folder: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> DecoderLM:
+    """Read a folder in the hub layout of any supported model_type (GPT-2, GPT-Neo)."""
     folder = Path(folder)
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
@@ -88,16 +157,21 @@ def load_gpt2_folder(folder: str | os.PathLike, *, dtype: torch.dtype = torch.fl
     except ValueError as exc:
         raise WeightsError(f"{cfg_file}: not valid JSON ({exc})") from None
     model_type = hf.get("model_type", "gpt2")
-    if model_type != "gpt2":
-        raise ConfigError(f"{cfg_file}: model_type {model_type!r} is not supported here (expected 'gpt2')")
-    cfg = ModelConfig.from_hf_gpt2(hf)
+    if model_type not in LAYOUTS:
+        raise ConfigError(
+            f"{cfg_file}: model_type {model_type!r} is not supported here (expected one of {sorted(LAYOUTS)})"
+        )
+    layout = LAYOUTS[model_type]
+    cfg = layout.read_config(hf)
     tensors = read_safetensors(weight_files(folder))
+    if layout.split_qkv:
+        tensors = _stack_qkv(tensors, layout.split_qkv)
     model = DecoderLM(cfg)
     ours = dict(model.named_parameters())
     seen: set[str] = set()
     with torch.no_grad():
         for name, t in tensors.items():
-            target = hub_to_ours(name)
+            target = hub_to_ours(name, layout)
             if target is None:
                 continue
             key, transpose = target
@@ -117,25 +191,40 @@ def load_gpt2_folder(folder: str | os.PathLike, *, dtype: torch.dtype = torch.fl
     return model.to(dtype)
 
 
-def save_gpt2_folder(model: DecoderLM, folder: str | os.PathLike) -> Path:
-    """Write a GPT-2-family model in the hub layout (readable by transformers)."""
+#: The historical name: it reads every supported layout, GPT-2's included.
+load_gpt2_folder = load_hub_folder
+
+
+def save_hub_folder(model: DecoderLM, folder: str | os.PathLike) -> Path:
+    """Write a GPT-2- or GPT-Neo-family model in its hub layout (readable by transformers)."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     cfg = model.config
-    inverse = {**{v[0]: (k, v[1]) for k, v in _GLOBAL.items()}}
+    layout = next((lay for lay in LAYOUTS.values() if lay.family == cfg.family), None)
+    if layout is None:
+        raise ConfigError(f"no hub layout for family {cfg.family!r}; known: {[lay.family for lay in LAYOUTS.values()]}")
+    hf_config = layout.write_config(cfg)
+    inverse = {v[0]: (k, v[1]) for k, v in _GLOBAL.items()}
+    block_inverse = {v[0]: (k, v[1]) for k, v in layout.block.items()}
     tensors = {}
     for name, p in model.named_parameters():
         if name.startswith("blocks."):
             _, layer, rest = name.split(".", 2)
-            hub, transpose = next((k, tr) for k, (o, tr) in _BLOCK.items() if o == rest)
+            hub, transpose = block_inverse[rest]
             hub = f"h.{layer}.{hub}"
         else:
             hub, transpose = inverse[name]
         t = p.detach().float().cpu()
         tensors[f"transformer.{hub}"] = (t.T if transpose else t).contiguous()
-    (folder / "config.json").write_text(json.dumps(cfg.to_hf_gpt2(), indent=2))
+    if layout.split_qkv:
+        tensors = _unstack_qkv(tensors)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
+
+
+#: The historical name: it writes the layout of the model's family.
+save_gpt2_folder = save_hub_folder
 
 
 def fetch_from_hub(name: str) -> Path:

