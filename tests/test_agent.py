@@ -199,11 +199,15 @@ def test_killed_run_leaves_parseable_trace(tmp_path):
 # ---------------------------------------------------------------------------- the real model
 def test_real_model_calls_the_calculator(smollm2, tmp_path):
     path = tmp_path / "arc.jsonl"
-    agent = HybridAgent(smollm2, registry(["calculator"]))
+    agent = HybridAgent(smollm2, registry(["calculator"]), record_states=True)
     arc = agent.run("What is 123456 * 789?", trace=path)
     assert arc.jumps and arc.jumps[0].tool == "calculator"
     assert arc.jumps[0].observation == "97406784"
     assert "97406784" in arc.answer
+    from safetensors.torch import load_file
+
+    states = load_file(str(path.with_suffix(".safetensors")))["resid_final"]
+    assert states.shape == (arc.token_steps, smollm2.config.d_model)  # one final-layer state per token step
     replayed, same, first = replay(path, smollm2)
     assert same, f"replay differs from token step {first}"
     assert replayed.answer == arc.answer
