@@ -107,6 +107,11 @@ def test_runner_writes_csv_json_png_and_resumes(tmp_path, monkeypatch):
     other = R.ConsensusConfig(model="tiny", prompts=3, prompt_len=10, passes=4, seed=2)
     with pytest.raises(Exception, match="another configuration"):
         R.run_consensus(other, tmp_path / "resumed", progress=False)
+    longer = R.ConsensusConfig(model="tiny", weights="random-redrawn", prompts=3, prompt_len=10, passes=6, seed=1)
+    summary = R.run_consensus(longer, tmp_path / "resumed", progress=False)  # continued to more passes
+    assert summary["layer_steps"] == 18
+    extended = list(csv.DictReader(open(tmp_path / "resumed" / "consensus.csv")))
+    assert [r["E_mean"] for r in extended[:13]] == [r["E_mean"] for r in resumed]
 
 
 def test_cli_consensus_and_table1(tmp_path, toy_hub):

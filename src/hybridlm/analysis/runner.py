@@ -6,7 +6,8 @@ Output folder:
   first layer-step where the mean E < 0.05 (null if never);
 - `consensus.png`: the mean E(k) with a band of ± one standard deviation across prompts;
 - `checkpoint.safetensors`: the token states after the last completed pass, so that an
-  interrupted run continues from there (same command, same folder).
+  interrupted run continues from there (same command, same folder), and a finished run
+  can be continued to more passes (same command with a larger --passes).
 """
 
 from __future__ import annotations
@@ -97,9 +98,11 @@ def _resume(cfg: ConsensusConfig, out: Path, device: str):
     with safe_open(str(ckpt), framework="pt") as f:
         meta = f.metadata()
         h = f.get_tensor("h").to(device)
-    if json.loads(meta["config"]) != asdict(cfg):
-        raise InputError(f"{out} holds a run with another configuration ({meta['config']}); use another --out")
-    done = int(meta["pass"])
+    saved, done = json.loads(meta["config"]), int(meta["pass"])
+    same = {k: v for k, v in saved.items() if k != "passes"} == {k: v for k, v in asdict(cfg).items() if k != "passes"}
+    if not same or done > cfg.passes:
+        raise InputError(f"{out} holds a run with another configuration ({meta['config']}, {done} passes done); "
+                         "use another --out (a run may only be continued to more passes)")
     rows = [r for r in _read_rows(out) if int(r["pass"]) <= done]
     _write_rows(out, rows, fresh=True)
     return h, done + 1
@@ -177,7 +180,7 @@ def _plot(out: Path, summary: dict) -> None:
     ax.set_ylabel("E(k)")
     ax.set_ylim(bottom=0)
     variant = "attention only" if cfg["attention_only"] else "full blocks"
-    ax.set_title(f"{summary['model_source']} · {cfg['weights']} · {variant} · "
+    ax.set_title(f"{cfg['model']} ({summary['model_source']}) · {cfg['weights']} · {variant} · "
                  f"{cfg['prompts']}×{cfg['prompt_len']} tokens", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
