@@ -180,8 +180,8 @@ def _plot(out: Path, summary: dict) -> None:
     ax.set_ylabel("E(k)")
     ax.set_ylim(bottom=0)
     variant = "attention only" if cfg["attention_only"] else "full blocks"
-    ax.set_title(f"{cfg['model']} ({summary['model_source']}) · {cfg['weights']} · {variant} · "
-                 f"{cfg['prompts']}×{cfg['prompt_len']} tokens", fontsize=9)
+    ax.set_title(f"{cfg['model']} · {cfg['weights']} · {variant} · {cfg['prompts']}×{cfg['prompt_len']} tokens"
+                 f"\n{summary['model_source']}", fontsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "consensus.png")
