@@ -1,0 +1,130 @@
+"""Trajectory capture over every index: states at chosen hook points, layers and positions.
+
+`TrajectoryRecorder` attaches to the named hook points of a model (see `hooks.py`) and
+keeps, at every call of the generative map while it is attached (a prefill, each decode
+step of F, each pass of a looped run), the rows of the selected positions. The records
+stay in memory, or, with `out=DIR`, are streamed to safetensors shards of bounded size,
+so a trajectory larger than memory goes to disk as it is produced; `load_trajectory`
+reads them back. `run_with_trace` is the one-call form.
+
+Each record is named `{hook name}@{i}`: the i-th time that hook point fired since the
+recorder was attached (one per forward call, one per pass of a looped run), and the
+positions of its rows are recorded beside it (`{hook name}@{i}:pos`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from hybridlm.hooks import HookPoint
+
+_LAYER = re.compile(r"^blocks\.(\d+)\.")
+
+
+class TrajectoryRecorder:
+    def __init__(
+        self,
+        model,
+        names: str | list[str] | Callable[[str], bool] = lambda n: True,
+        *,
+        layers: Iterable[int] | None = None,
+        positions: Iterable[int] | None = None,
+        out: str | Path | None = None,
+        shard_mb: float = 256.0,
+    ) -> None:
+        self.model = model
+        chosen = model._select(names)
+        wanted_layers = None if layers is None else set(layers)
+        self.names = [n for n in chosen if wanted_layers is None or _layer(n) in (None, *wanted_layers)]
+        self.positions = None if positions is None else torch.tensor(sorted(set(positions)))
+        self.out = None if out is None else Path(out)
+        self.shard_bytes = int(shard_mb * 2**20)
+        self.records: dict[str, torch.Tensor] = {}
+        self.shards: list[str] = []
+        self.index: dict[str, str] = {}
+        self._buffer_bytes = 0
+        self._fired: dict[str, int] = {}
+        self._ctx = None
+
+    # ------------------------------------------------------------------ hooks
+    def _keep(self, x: torch.Tensor, hook: HookPoint) -> None:
+        pos = hook.ctx.pos
+        i = self._fired[hook.name] = self._fired.get(hook.name, -1) + 1
+        dim = 2 if x.dim() == 4 and hook.name.endswith(("hook_pattern", "hook_attn_scores")) else 1
+        if self.positions is not None:
+            rows = torch.isin(pos, self.positions.to(pos.device)).nonzero().flatten()
+            if rows.numel() == 0:
+                return
+            x, pos = x.index_select(dim, rows), pos[rows]
+        key = f"{hook.name}@{i}"
+        self.records[key] = x.detach().cpu().clone()
+        self.records[f"{key}:pos"] = pos.detach().cpu().clone()
+        self._buffer_bytes += x.numel() * x.element_size()
+        if self.out is not None and self._buffer_bytes >= self.shard_bytes:
+            self.flush()
+
+    def __enter__(self) -> "TrajectoryRecorder":
+        if self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+        self._ctx = self.model.hooks([(n, self._keep) for n in self.names])
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)
+        if self.out is not None:
+            self.flush()
+            (self.out / "index.json").write_text(json.dumps({"shards": self.shards, "index": self.index}, indent=1))
+
+    # ------------------------------------------------------------------ disk
+    def flush(self) -> None:
+        """Write the records held in memory as one shard and forget them."""
+        if self.out is None or not self.records:
+            return
+        from safetensors.torch import save_file
+
+        name = f"shard-{len(self.shards):05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in self.records.items()}, str(self.out / name))
+        self.shards.append(name)
+        self.index.update({k: name for k in self.records})
+        self.records.clear()
+        self._buffer_bytes = 0
+
+    def stacked(self, name: str) -> torch.Tensor:
+        """All calls' records of one hook point concatenated along positions (in-memory mode)."""
+        parts = [v for k, v in sorted(self.records.items(), key=_call_order) if k.startswith(f"{name}@")
+                 and not k.endswith(":pos")]
+        return torch.cat(parts, dim=2 if name.endswith(("hook_pattern", "hook_attn_scores")) else 1)
+
+
+def load_trajectory(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every record of a streamed trajectory (all shards)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    meta = json.loads((folder / "index.json").read_text())
+    out: dict[str, torch.Tensor] = {}
+    for shard in meta["shards"]:
+        out.update(load_file(str(folder / shard)))
+    return out
+
+
+def run_with_trace(model, ids, names=lambda n: True, *, layers=None, positions=None, out=None, shard_mb=256.0):
+    """Run the model once on ids and return (logits, records) for the selection."""
+    with TrajectoryRecorder(model, names, layers=layers, positions=positions, out=out, shard_mb=shard_mb) as rec:
+        logits = model(ids)
+    return logits, (rec.records if out is None else load_trajectory(out))
+
+
+def _layer(name: str) -> int | None:
+    m = _LAYER.match(name)
+    return None if m is None else int(m.group(1))
+
+
+def _call_order(item: tuple[str, torch.Tensor]) -> int:
+    return int(item[0].rsplit("@", 1)[1].split(":")[0])
