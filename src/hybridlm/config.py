@@ -153,12 +153,7 @@ class ModelConfig:
     @classmethod
     def from_hf_gpt2(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Read a hub `config.json` of a GPT2LMHeadModel."""
-        act = hf.get("activation_function", "gelu_new")
-        if act not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ConfigError(
-                f"activation_function={act!r} in config.json: hybridlm's GPT-2 family uses the "
-                "tanh form of GELU ('gelu_new')"
-            )
+        _require_tanh_gelu(hf, "GPT-2")
         try:
             d_model = hf["n_embd"]
             return cls(
@@ -205,12 +200,7 @@ class ModelConfig:
     @classmethod
     def from_hf_gptneo(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Read a hub `config.json` of a GPTNeoForCausalLM (model_type "gpt_neo")."""
-        act = hf.get("activation_function", "gelu_new")
-        if act not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ConfigError(
-                f"activation_function={act!r} in config.json: hybridlm's GPT-Neo family uses the "
-                "tanh form of GELU ('gelu_new')"
-            )
+        _require_tanh_gelu(hf, "GPT-Neo")
         if not hf.get("tie_word_embeddings", True):
             raise ConfigError("config.json has tie_word_embeddings=false: hybridlm reads tied GPT-Neo checkpoints only")
         try:
@@ -284,6 +274,15 @@ def _expand_attention_types(types: Any) -> tuple[str, ...]:
             f"attention_types={types!r} in config.json: expected [[pattern, repeats], ...], "
             'e.g. [[["global", "local"], 6]]'
         ) from None
+
+
+def _require_tanh_gelu(hf: dict[str, Any], family: str) -> None:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ConfigError(
+            f"activation_function={act!r} in config.json: hybridlm's {family} family uses the "
+            "tanh form of GELU ('gelu_new')"
+        )
 
 
 def _gpt2(d_model: int, n_layer: int, n_head: int) -> ModelConfig:
