@@ -62,8 +62,8 @@ class TrajectoryRecorder:
                 return
             x, pos = x.index_select(dim, rows), pos[rows]
         key = f"{hook.name}@{i}"
-        self.records[key] = x.detach().cpu().clone()
-        self.records[f"{key}:pos"] = pos.detach().cpu().clone()
+        self.records[key] = _own_copy(x)
+        self.records[f"{key}:pos"] = _own_copy(pos)
         self._buffer_bytes += x.numel() * x.element_size()
         if self.out is not None and self._buffer_bytes >= self.shard_bytes:
             self.flush()
@@ -89,7 +89,12 @@ class TrajectoryRecorder:
         from safetensors.torch import save_file
 
         name = f"shard-{len(self.shards):05d}.safetensors"
-        save_file({k: v.contiguous() for k, v in self.records.items()}, str(self.out / name))
+        tensors, seen = {}, set()
+        for k, v in self.records.items():  # a state seen by two hook points is stored twice
+            v = v.contiguous()
+            tensors[k] = v.clone() if v.data_ptr() in seen else v
+            seen.add(v.data_ptr())
+        save_file(tensors, str(self.out / name))
         self.shards.append(name)
         self.index.update({k: name for k in self.records})
         self.records.clear()
@@ -119,6 +124,15 @@ def run_with_trace(model, ids, names=lambda n: True, *, layers=None, positions=N
     with TrajectoryRecorder(model, names, layers=layers, positions=positions, out=out, shard_mb=shard_mb) as rec:
         logits = model(ids)
     return logits, (rec.records if out is None else load_trajectory(out))
+
+
+def _own_copy(x: torch.Tensor) -> torch.Tensor:
+    """x on the CPU, detached; copied only when it is a view into another tensor's storage
+    (the model builds each state afresh and never writes into it afterwards)."""
+    x = x.detach()
+    if x.device.type != "cpu":
+        return x.cpu()
+    return x.clone() if x._base is not None else x
 
 
 def _layer(name: str) -> int | None:
