@@ -57,10 +57,18 @@ class Kernel:
 
     def sample(self, z: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Draw w ~ p(· | s) for each row of z [B, V]; returns [B] token ids."""
+        return self.sample_with_logprob(z, generator)[0]
+
+    def sample_with_logprob(
+        self, z: torch.Tensor, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """w ~ p(· | s) and log p(w | s) under the shaped kernel (0 for greedy), shaping z once."""
         if self.greedy:
-            return z.argmax(dim=-1)
+            w = z.argmax(dim=-1)
+            return w, torch.zeros(w.shape)
         p = torch.softmax(self.shaped_logits(z), dim=-1)
-        return torch.multinomial(p, 1, generator=generator).squeeze(-1)
+        w = torch.multinomial(p, 1, generator=generator).squeeze(-1)
+        return w, p.gather(-1, w[:, None]).squeeze(-1).log()
 
     def describe(self) -> str:
         if self.greedy:

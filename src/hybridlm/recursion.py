@@ -75,8 +75,8 @@ def token_clock(
     generator = torch.Generator(device=device).manual_seed(seed)
     for t in range(1, max_new_tokens + 1):
         z = model.G(x)
-        w = kernel.sample(z, generator)
-        logprob = 0.0 if kernel.greedy else float(torch.log_softmax(kernel.shaped_logits(z), -1)[0, w[0]])
+        w, logprob = kernel.sample_with_logprob(z, generator)
+        logprob = float(logprob[0])
         token = int(w[0])
         rebuilds = x.rebuilds
         is_stop = token in stop
