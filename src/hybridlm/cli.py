@@ -255,7 +255,9 @@ def consensus(model_spec, weights, attention_only, prompts, prompt_len, passes, 
         return
     if out is None:
         raise InputError("--out DIR is needed for a consensus run (or use --table1)")
-    cfg = ConsensusConfig(model=model_spec or "smollm2-135m", weights=weights, attention_only=attention_only,
+    from hybridlm.loading import DEFAULT_MODEL
+
+    cfg = ConsensusConfig(model=model_spec or DEFAULT_MODEL, weights=weights, attention_only=attention_only,
                           prompts=prompts, prompt_len=prompt_len, passes=passes, seed=seed)
     summary = run_consensus(cfg, out, device=device)
     below = summary["first_layer_step_below_0.05"]

@@ -231,18 +231,15 @@ def fetch_from_hub(name: str) -> Path:
     """Find a preset's files in the local hub cache, or download them when a network exists."""
     repo = HUB_REPOS[name]
     patterns = ["config.json", "model.safetensors", "model.safetensors.index.json", "model-*.safetensors"]
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:  # pragma: no cover - a declared dependency
-        snapshot_download = None
-    if snapshot_download is not None:
-        for local_only in (True, False):
-            if not local_only and os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
-                break
-            try:
-                return Path(snapshot_download(repo, allow_patterns=patterns, local_files_only=local_only))
-            except Exception:  # noqa: BLE001 - every failure ends in the same advice below
-                continue
+    from huggingface_hub import snapshot_download
+
+    for local_only in (True, False):
+        if not local_only and os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
+            break
+        try:
+            return Path(snapshot_download(repo, allow_patterns=patterns, local_files_only=local_only))
+        except Exception:  # noqa: BLE001 - every failure ends in the same advice below
+            continue
     raise ModelNotFoundError(
         f"could not get the weights of {name!r} ({repo}): not in the local hub cache and the hub is "
         f"unreachable. Download config.json and model.safetensors of {repo} on a machine with a network "

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridlm.analysis.sphere import consensus_E
+from hybridlm.errors import InputError
 from hybridlm.model import Block, DecoderLM, init_weights
 
 WEIGHTS = ("pretrained", "random-fixed", "random-redrawn")
@@ -99,7 +100,7 @@ def table1(model: DecoderLM, sentence: str, passes: tuple[int, ...] = (1, 2, 4, 
            *, attention_only: bool = False) -> list[dict]:
     """Decode the looped tokens of a sentence after each number of passes (seed 002, Table 1)."""
     if model.tokenizer is None:
-        raise ValueError("Table 1 needs a model with a tokenizer")
+        raise InputError(f"Table 1 needs a model with a tokenizer; {model.source} has none")
     ids = torch.tensor([model.tokenizer.encode(sentence)])
     rows, h = [], embed(model, ids)
     last = max(passes)
