@@ -24,12 +24,24 @@ def make_hub_gpt2(folder, *, n_layer, n_embd, n_head, vocab_size=50257, n_positi
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )
     model = GPT2LMHeadModel(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or ".ln_" in name or "ln_f" in name:
-                p.add_(0.1 * torch.randn_like(p))
+    perturb_biases_and_gains_(model)
     model.save_pretrained(folder, safe_serialization=True)
     return model
+
+
+@torch.no_grad()
+def perturb_biases_and_gains_(model, scale: float = 0.1) -> None:
+    """Noise on the biases and LayerNorm gains a hub model initialises to constants."""
+    for name, p in model.named_parameters():
+        if name.endswith("bias") or ".ln_" in name or "ln_f" in name:
+            p.add_(scale * torch.randn_like(p))
+
+
+@torch.no_grad()
+def perturb_(model, scale: float = 0.05) -> None:
+    """Noise on every parameter, so that no tensor keeps a trivial value."""
+    for p in model.parameters():
+        p.add_(scale * torch.randn_like(p))
 
 
 @pytest.fixture(scope="session")

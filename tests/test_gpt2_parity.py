@@ -6,7 +6,7 @@ import torch
 from hybridlm import ModelConfig, load_model, selection_P, selection_U
 from hybridlm.config import PRESETS
 from hybridlm.hub import save_gpt2_folder
-from tests.conftest import make_hub_gpt2
+from tests.conftest import make_hub_gpt2, perturb_
 
 TOL = 1e-4
 
@@ -50,9 +50,7 @@ def test_our_layout_reads_back_in_transformers(tmp_path):
 
     cfg = ModelConfig(vocab_size=50257, n_ctx=64, d_model=48, n_layer=3, n_head=3)
     ours = load_model(cfg, seed=5)
-    with torch.no_grad():  # give biases and gains non-trivial values too
-        for p in ours.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    perturb_(ours)  # give biases and gains non-trivial values too
     save_gpt2_folder(ours, tmp_path)
     ref = GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     ids = torch.randint(0, 50257, (3, 40))

@@ -14,6 +14,7 @@ from hybridlm.attention import causal_mask
 from hybridlm.config import HUB_REPOS, PRESETS
 from hybridlm.errors import ConfigError
 from hybridlm.hub import load_hub_folder, save_hub_folder
+from tests.conftest import perturb_, perturb_biases_and_gains_
 from tests.test_state import check_run
 
 torch.set_num_threads(1)
@@ -40,11 +41,10 @@ def make_hub_gptneo(folder, *, num_layers, hidden_size, num_heads, window_size, 
         resid_dropout=0.0, embed_dropout=0.0, attention_dropout=0.0,
     )
     model = GPTNeoForCausalLM(config).eval()
+    perturb_biases_and_gains_(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("bias") or ".ln_" in name or "ln_f" in name:
-                p.add_(0.1 * torch.randn_like(p))
-            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(qk_gain)
     model.save_pretrained(folder, safe_serialization=True)
     return model
@@ -108,9 +108,7 @@ def test_our_layout_reads_back_in_transformers(tmp_path):
     cfg = PRESETS["gpt-neo-125m"].replace(n_ctx=40, d_model=48, n_layer=2, n_head=3, n_kv_head=3,
                                           attention_layers=("global", "local"), local_window=5)
     ours = load_model(cfg, seed=5)
-    with torch.no_grad():  # give biases and gains non-trivial values too
-        for p in ours.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    perturb_(ours)  # give biases and gains non-trivial values too
     save_hub_folder(ours, tmp_path)
     ref = GPTNeoForCausalLM.from_pretrained(tmp_path).eval()
     assert max_delta(ours, ref, ids_for(33, batch=3)) <= TOL
