@@ -79,14 +79,13 @@ class Attention(nn.Module):
         rotary: Rotary | None = None,
     ) -> torch.Tensor:
         B, m, _ = z.shape
-        q, k, v = self.W_qkv(z).split(
-            [self.n_head * self.d_head, self.n_kv_head * self.d_head, self.n_kv_head * self.d_head], dim=-1
-        )
-        q = self.hook_q(q.view(B, m, self.n_head, self.d_head)).transpose(1, 2)
-        k = self.hook_k(k.view(B, m, self.n_kv_head, self.d_head)).transpose(1, 2)
-        v = self.hook_v(v.view(B, m, self.n_kv_head, self.d_head)).transpose(1, 2)
+        H, H_kv = self.n_head, self.n_kv_head
+        heads = self.W_qkv(z).view(B, m, H + 2 * H_kv, self.d_head)  # [B, pos, head, d_k]
+        q, k, v = heads.split([H, H_kv, H_kv], dim=2)
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         if rotary is not None:
             q, k = rotary(q, pos), rotary(k, pos)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, head, pos, d_k]
         if state is not None:
             k, v = state.write(self.layer, k, v)
         window = self.window if self.window is not None and k.shape[2] > self.window else None
@@ -95,7 +94,7 @@ class Attention(nn.Module):
         else:
             o = self._fused(q, k, v, pos, window)
         o = self.hook_z(o.transpose(1, 2))
-        return self.W_O(o.reshape(B, m, self.n_head * self.d_head))
+        return self.W_O(o.reshape(B, m, H * self.d_head))
 
     def _fused(self, q, k, v, pos, window):
         m, n_keys = q.shape[2], k.shape[2]

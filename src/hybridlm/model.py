@@ -78,9 +78,16 @@ class DecoderLM(HookedModule):
         """W_u as a [V, d] matrix (W_u = W_eᵀ when tied: logits = h W_eᵀ)."""
         return self.W_e if self.W_u is None else self.W_u
 
-    def embed(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """H⁽⁰⁾ = U(s) W_e + P W_p, computed as row lookups."""
-        h = self.hook_embed(self.W_e[ids])
+    def embed(self, ids: torch.Tensor, pos: torch.Tensor, prefix: torch.Tensor | None = None) -> torch.Tensor:
+        """H⁽⁰⁾ = U(s) W_e + P W_p, computed as row lookups.
+
+        `prefix` ([p, d] or [B, p, d], rows of token-embedding space) is a soft prefix:
+        its rows stand before U(s) W_e and take the first p positions, as tokens would.
+        """
+        e = self.W_e[ids]
+        if prefix is not None:
+            e = torch.cat([prefix.to(e.dtype).expand(e.shape[0], -1, -1), e], dim=1)
+        h = self.hook_embed(e)
         if self.pos_embed is not None:
             h = h + self.pos_embed(pos)
         return h
@@ -96,7 +103,7 @@ class DecoderLM(HookedModule):
 
     def readout(self, h: torch.Tensor) -> torch.Tensor:
         """Y = LN_f(H⁽ᴸ⁾) W_u."""
-        return self.hook_logits(self.ln_final(h) @ self.unembedding.T)
+        return self.hook_logits(torch.nn.functional.linear(self.ln_final(h), self.unembedding))
 
     # ------------------------------------------------------------------ the generative map
     def forward(
@@ -106,16 +113,23 @@ class DecoderLM(HookedModule):
         *,
         last_only: bool = False,
         layers: int | None = None,
+        prefix: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, n, V] for token ids [B, n] (or [n]).
 
         With `state`, the ids are the next rows after the n positions already held, and
         the state is updated in place. `last_only` reads out only the last row;
         `layers` stops after that many blocks (default: all L).
+
+        `prefix` ([p, d] or [B, p, d]) prepends p soft-prefix rows to H⁽⁰⁾ (see `embed`);
+        the output then has p + n rows. A state records them under the token id −1
+        (no token has them), so Π_T must drop them before a rebuild can happen.
+        Absent (the default), nothing changes.
         """
         ids = self._check_ids(ids)
         start = 0 if state is None else state.n
-        m = ids.shape[1]
+        p = 0 if prefix is None else self._check_prefix(prefix)
+        m = ids.shape[1] + p
         if start + m > self.config.n_ctx:
             raise InputError(
                 f"{start + m} positions exceed the context horizon T={self.config.n_ctx}; "
@@ -125,11 +139,11 @@ class DecoderLM(HookedModule):
         self.hook_ctx.pos = pos
         if state is not None:
             state.reserve(m)
-        h = self.embed(ids, pos)
+        h = self.embed(ids, pos) if prefix is None else self.embed(ids, pos, prefix)
         for block in self.blocks[:layers]:
             h = block(h, pos, state, self.rotary)
         if state is not None:
-            state.commit(ids)
+            state.commit(ids if prefix is None else torch.cat([ids.new_full((ids.shape[0], p), -1), ids], dim=1))
         return self.readout(h[:, -1:] if last_only else h)
 
     # ------------------------------------------------------------------ state-space form
@@ -187,6 +201,13 @@ class DecoderLM(HookedModule):
             raise InputError(f"token ids must have shape [B, n], got {tuple(ids.shape)}")
         check_tokens(ids, self.config.vocab_size)
         return ids.to(self.W_e.device)
+
+    def _check_prefix(self, prefix: torch.Tensor) -> int:
+        d = self.config.d_model
+        if not isinstance(prefix, torch.Tensor) or prefix.dim() not in (2, 3) or prefix.shape[-1] != d:
+            shape = tuple(prefix.shape) if isinstance(prefix, torch.Tensor) else type(prefix).__name__
+            raise InputError(f"soft prefix of shape {shape}: expected [p, d] or [B, p, d] with d = {d}")
+        return prefix.shape[-2]
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -41,10 +41,9 @@ class RMSNorm(nn.Module):
         self.hook_normalized = HookPoint()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if not self.hook_normalized.active:
-            return F.rms_norm(h, h.shape[-1:], self.weight, self.eps)
-        x = self.hook_normalized(F.rms_norm(h, h.shape[-1:], None, self.eps))
-        return x * self.weight
+        # Written out: six kernels, where F.rms_norm dispatches about a dozen on the CPU.
+        x = self.hook_normalized(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
+        return self.weight * x
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:

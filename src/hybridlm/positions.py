@@ -28,21 +28,31 @@ class LearnedPositions(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Rotation of query/key coordinate pairs (j, j + d_k/2) by pos · θ_j."""
+    """Rotation of query/key coordinate pairs (j, j + d_k/2) by pos · θ_j.
+
+    x ↦ x cos θ + rot(x) sin θ with rot(x) = (−x_{d_k/2:}, x_{:d_k/2}), written as a roll of
+    x against a sine whose first half carries the sign. A forward pass passes one `pos`
+    tensor to every layer, so the phases at `pos` are gathered once and reused.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d_k = cfg.d_head
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d_k, 2, dtype=torch.float32) / d_k))
         angles = torch.outer(torch.arange(cfg.n_ctx, dtype=torch.float32), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.register_buffer("cos", torch.cat([angles.cos(), angles.cos()], dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat([-angles.sin(), angles.sin()], dim=-1), persistent=False)
+        self._phases: tuple = (None, None, None, None)  # (pos, dtype, cos, sin) of the last call
+
+    def phases(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos θ and signed sin θ at positions pos, shaped [n, 1, d_k] to broadcast over heads."""
+        last_pos, last_dtype, cos, sin = self._phases
+        if pos is not last_pos or dtype != last_dtype:
+            cos, sin = self.cos[pos, None].to(dtype), self.sin[pos, None].to(dtype)
+            self._phases = (pos, dtype, cos, sin)
+        return cos, sin
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Rotate x of shape [B, heads, n, d_k] at positions pos [n]."""
-        cos = self.cos[pos].to(x.dtype)
-        sin = self.sin[pos].to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        """Rotate x of shape [B, n, heads, d_k] at positions pos [n]."""
+        cos, sin = self.phases(pos, x.dtype)
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

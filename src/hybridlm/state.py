@@ -42,6 +42,16 @@ class KVState:
         self.logits: torch.Tensor | None = None  # z: readout at the last position, [B, V]
         self.rebuilds = 0  # how many times Π_T forced a re-prefill
 
+    @property
+    def kv(self) -> torch.Tensor:
+        """The whole buffer [L, 2, B, N_kv, capacity, d_k]."""
+        return self._kv
+
+    @kv.setter
+    def kv(self, buffer: torch.Tensor) -> None:
+        self._kv = buffer
+        self._layers = [(buffer[layer, 0], buffer[layer, 1]) for layer in range(buffer.shape[0])]
+
     # ------------------------------------------------------------------ sizes
     @property
     def capacity(self) -> int:
@@ -82,9 +92,10 @@ class KVState:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new rows k, v ([B, N_kv, m, d_k]) after position n; return K, V over 1..n+m."""
         end = self.n + k.shape[2]
-        self.kv[layer, 0, :, :, self.n : end] = k
-        self.kv[layer, 1, :, :, self.n : end] = v
-        return self.kv[layer, 0, :, :, :end], self.kv[layer, 1, :, :, :end]
+        K, V = self._layers[layer]  # views of the buffer, made once per allocation
+        K[:, :, self.n : end] = k
+        V[:, :, self.n : end] = v
+        return K[:, :, :end], V[:, :, :end]
 
     def commit(self, w: torch.Tensor) -> None:
         """Record that the tokens w ([B, m]) entered the state."""
