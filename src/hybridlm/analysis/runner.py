@@ -46,14 +46,14 @@ class ConsensusConfig:
 
 
 def prepare_model(cfg: ConsensusConfig, device: str):
+    from hybridlm.analysis.consensus import reinit
     from hybridlm.loading import load_model
-    from hybridlm.model import init_weights
 
     model = load_model(cfg.model, device=device)
     if cfg.prompt_len > model.config.n_ctx:
         raise InputError(f"--prompt-len {cfg.prompt_len} exceeds the model's horizon T={model.config.n_ctx}")
     if cfg.weights != "pretrained":
-        init_weights(model, seed=cfg.seed)
+        reinit(model, cfg.seed)
     return model
 
 
@@ -192,3 +192,31 @@ def _bar(total: int, done: int, enabled: bool):
     from tqdm import tqdm
 
     return tqdm(total=total, initial=done, disable=not enabled, unit="layer-step", desc="consensus")
+
+
+def plot_compare(runs: dict[str, str | Path], out: str | Path, *, title: str = "") -> Path:
+    """Mean E(k) of several consensus runs (label → output folder) on one axes, e.g. a
+    transformer beside a selective SSM and a hybrid stack; returns the PNG's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=120)
+    for label, folder in runs.items():
+        rows = _read_rows(Path(folder))
+        if not rows:
+            raise InputError(f"{folder} holds no consensus.csv: run `hybridlm consensus --out {folder}` first")
+        ax.plot([int(r["layer_step"]) for r in rows], [float(r["E_mean"]) for r in rows], lw=1.3, label=label)
+    ax.axhline(THRESHOLD, color="grey", lw=0.8, ls="--", label=f"E = {THRESHOLD}")
+    ax.set_xlabel("layer-step k")
+    ax.set_ylabel("mean E(k)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
