@@ -110,14 +110,38 @@ class Attention(nn.Module):
         )
 
     def _explicit(self, q, k, v, pos, window):
-        if self.n_kv_head != self.n_head:
-            k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
-            v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
-        scores = (q @ k.transpose(-1, -2)) * self.scale
-        scores = scores.masked_fill(~causal_mask(pos, k.shape[2], window), float("-inf"))
-        scores = self.hook_attn_scores(scores)
-        pattern = self.hook_pattern(torch.softmax(scores, dim=-1))
-        return pattern @ v
+        """S, A and O = A V formed explicitly (for the scores and pattern hooks).
+
+        The queries are taken in blocks of rows, and each block reads only the keys up to its
+        last position: the entries above the diagonal are −∞ in S and 0 in A without being
+        computed, which halves the work of a prefill. The g = N_h/N_kv query heads that share
+        a key/value head are stacked as g·m query rows against that head's keys, so K and V
+        are never repeated. A hook that replaces S or A gets A or O recomputed from it.
+        """
+        B, H, m, d = q.shape
+        n_keys, H_kv = k.shape[2], self.n_kv_head
+        scores, pattern, o = q.new_empty((B, H, m, n_keys)), q.new_empty((B, H, m, n_keys)), q.new_empty((B, H, m, d))
+        for r0 in range(0, m, _ROW_BLOCK):
+            r1 = min(m, r0 + _ROW_BLOCK)
+            reach = int(pos[r1 - 1]) + 1  # positions increase along the rows
+            s = (q[:, :, r0:r1].reshape(B, H_kv, -1, d) @ k[:, :, :reach].transpose(-1, -2)).view(B, H, -1, reach)
+            s.mul_(self.scale).masked_fill_(~causal_mask(pos[r0:r1], reach, window), float("-inf"))
+            a = torch.softmax(s, dim=-1)
+            scores[:, :, r0:r1, :reach] = s
+            scores[:, :, r0:r1, reach:] = float("-inf")
+            pattern[:, :, r0:r1, :reach] = a
+            pattern[:, :, r0:r1, reach:] = 0.0
+            o[:, :, r0:r1] = (a.view(B, H_kv, -1, reach) @ v[:, :, :reach]).view(B, H, -1, d)
+        hooked = self.hook_attn_scores(scores)
+        if hooked is not scores:
+            pattern = torch.softmax(hooked, dim=-1)
+        hooked_pattern = self.hook_pattern(pattern)
+        if hooked_pattern is not pattern or hooked is not scores:
+            o = (hooked_pattern.view(B, H_kv, -1, n_keys) @ v).view(B, H, m, d)
+        return o
+
+
+_ROW_BLOCK = 128  # query rows per block of the explicit attention
 
 
 def causal_mask(pos: torch.Tensor, n_keys: int, window: int | None = None) -> torch.Tensor:
