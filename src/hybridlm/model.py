@@ -68,8 +68,11 @@ class DecoderLM(HookedModule):
         self.ln_final = make_norm(cfg)
         self.W_u = None if cfg.tie_embeddings else nn.Parameter(torch.zeros(cfg.vocab_size, cfg.d_model))
         self.hook_logits = HookPoint()
+        self.readout_map = None  # a reduced-precision W_u (hybridlm.quantize); None: exact
+        self.precision = "float32"
         self.tokenizer = None  # set by the loader
         self.source = "config"  # where the weights came from, for reports
+        self.gguf_path = None  # the GGUF file the weights were read from, if any
         self.setup_hooks()
 
     # ------------------------------------------------------------------ pieces
@@ -103,7 +106,10 @@ class DecoderLM(HookedModule):
 
     def readout(self, h: torch.Tensor) -> torch.Tensor:
         """Y = LN_f(H⁽ᴸ⁾) W_u."""
-        return self.hook_logits(torch.nn.functional.linear(self.ln_final(h), self.unembedding))
+        h = self.ln_final(h)
+        if self.readout_map is not None:
+            return self.hook_logits(self.readout_map(h))
+        return self.hook_logits(torch.nn.functional.linear(h, self.unembedding))
 
     # ------------------------------------------------------------------ the generative map
     def forward(

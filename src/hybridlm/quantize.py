@@ -1,0 +1,177 @@
+"""Reduced-precision weight paths: bfloat16, and 8-bit weight-only quantisation.
+
+A decode step reads every weight once, so its time is bounded by the bytes of the weights.
+The exact path keeps float32; two reduced paths trade exactness for bytes:
+
+- `bfloat16`: weights, activations and the KV state in bfloat16 (half the bytes).
+- `int8`: each affine map x ↦ x Wᵀ + b keeps W ≈ diag(s) Q with Q ∈ {−127, …, 127}^{r×c}
+  and one scale per output channel, s_r = max_c |W_rc| / 127 (a quarter of the bytes).
+- `int4`: 4-bit weights with a scale and an offset per group of 32 inputs (an eighth of
+  the bytes), the layout of GGUF's Q4_1.
+
+In the quantised paths only the products read bfloat16 inputs (what the fused kernels
+take); the residual stream, norms, attention and KV state stay float32. The unembedding
+W_u is read in int8 and its leading logits are recomputed from the exact rows, which the
+embedding lookup keeps anyway.
+
+`agreement` measures what the trade costs: teacher-forced greedy next-token agreement
+with the exact path over a text.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridlm.errors import InputError
+from hybridlm.linear import Linear
+
+PRECISIONS = ("float32", "bfloat16", "int8", "int4")
+
+_MATMUL_DTYPE = torch.bfloat16  # what the quantised kernels read x as (their fast path)
+
+
+class Int8Linear(nn.Module):
+    """x ↦ (x Qᵀ) ⊙ s + b, Q int8 [out, in] with one scale per output channel s [out]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+        self.register_buffer("Q", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(_MATMUL_DTYPE))
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self.out_features, self.in_features = weight.shape
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantised W = diag(s) Q (for analysis; the forward never forms it)."""
+        return self.Q.float() * self.scale.float()[:, None]
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm"):
+            return torch._weight_int8pack_mm(x, self.Q, self.scale)
+        return (x @ self.Q.to(x.dtype).T) * self.scale  # no fused kernel here: dequantise on the fly
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _affine(self, x)
+
+
+class Int4Linear(nn.Module):
+    """x ↦ x Ŵᵀ + b with Ŵ = d_g (q − 8) + z_g, q ∈ {0..15}, one (d, z) per group of 32 inputs.
+
+    The groups are quantised from their min and max, as GGUF's Q4_1 does, so a tensor that
+    came from a Q4_1 file is represented again without new loss (bar bfloat16 scales).
+    """
+
+    group = 32
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        out, inp = weight.shape
+        if inp % self.group:
+            raise InputError(f"int4 needs input widths divisible by {self.group}, got {inp}")
+        w = weight.detach().float().view(out, inp // self.group, self.group)
+        lo, hi = w.amin(-1), w.amax(-1)
+        d = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+        q = torch.round((w - lo[..., None]) / d[..., None]).clamp(0, 15).to(torch.int32).view(out, inp)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)
+                             if _int4_kernel() else q.to(torch.uint8))
+        scales_and_zeros = torch.stack([d, lo + 8 * d], dim=-1).transpose(0, 1).contiguous()  # [groups, out, 2]
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(_MATMUL_DTYPE))
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self.out_features, self.in_features = out, inp
+
+    @property
+    def weight(self) -> torch.Tensor:
+        eye = torch.eye(self.in_features, dtype=_MATMUL_DTYPE)
+        return self.product(eye).float().T
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        if _int4_kernel() and x.device.type == "cpu":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_zeros)
+        d, z = self.scales_and_zeros.unbind(-1)  # [groups, out]
+        q = self.packed.to(x.dtype).view(self.out_features, -1, self.group)
+        w = (q - 8) * d.T[..., None].to(x.dtype) + z.T[..., None].to(x.dtype)
+        return x @ w.view(self.out_features, self.in_features).T
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _affine(self, x)
+
+
+class RefinedReadout(nn.Module):
+    """z = LN_f(h) W_uᵀ from int8 W_u, then made exact on the k most likely tokens.
+
+    The int8 product ranks the vocabulary; the k leading rows are recomputed from the
+    exact float32 W_u (which the embedding lookup keeps anyway), so the argmax, and most
+    of the mass a sampler sees, come from exact logits at the cost of k rows.
+    """
+
+    def __init__(self, unembedding: torch.Tensor, k: int = 32) -> None:
+        super().__init__()
+        self.approx = Int8Linear(unembedding, None)
+        self.exact = unembedding  # a reference to the model's own parameter, not a copy
+        self.k = k
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        z = self.approx(h)
+        top = z.topk(self.k, dim=-1).indices  # [..., k]
+        exact = (self.exact[top] @ h.unsqueeze(-1)).squeeze(-1)  # rows of W_u against h
+        return z.scatter(-1, top, exact)
+
+
+def _affine(layer, x: torch.Tensor) -> torch.Tensor:
+    """The quantised product in bfloat16, everything around it (residual stream, norms,
+    attention, the state) in the model's own dtype."""
+    shape = x.shape
+    y = layer.product(x.reshape(-1, shape[-1]).to(_MATMUL_DTYPE)).to(x.dtype)
+    if layer.bias is not None:
+        y = y + layer.bias.to(x.dtype)
+    return y.view(*shape[:-1], layer.out_features)
+
+
+def _int4_kernel() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def set_precision(model, precision: str):
+    """Convert a loaded float32 model in place to one of PRECISIONS; returns the model.
+
+    bfloat16: every weight and activation in bfloat16. int8 / int4: the weights of every
+    affine map quantised (the unembedding W_u always to int8), the products computed from
+    bfloat16 inputs, and everything else (residual stream, norms, attention, the KV state)
+    left in float32; the unembedding is int8 with its k leading logits recomputed exactly
+    (`RefinedReadout`).
+    """
+    if precision not in PRECISIONS:
+        raise InputError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+    if precision == "bfloat16":
+        model.to(torch.bfloat16)
+    elif precision in ("int8", "int4"):
+        _quantize_linears(model, Int8Linear if precision == "int8" else Int4Linear)
+        model.readout_map = RefinedReadout(model.unembedding)
+    model.precision = precision
+    return model
+
+
+def _quantize_linears(module: nn.Module, kind) -> None:
+    for name, child in module.named_children():
+        if isinstance(child, Linear):
+            setattr(module, name, kind(child.weight, child.bias))
+        else:
+            _quantize_linears(child, kind)
+
+
+@torch.no_grad()
+def agreement(model, reference, ids) -> dict:
+    """Teacher-forced greedy agreement: at each position of `ids`, does argmax z match?
+
+    Both models read the same text in one prefill; returns the fraction of positions whose
+    next-token argmax agrees, and the largest |Δ logit| (in float32).
+    """
+    ids = torch.as_tensor(ids, dtype=torch.long)[None]
+    z = model(ids)[0].float()
+    z_ref = reference(ids)[0].float()
+    same = (z.argmax(-1) == z_ref.argmax(-1)).float()
+    return {"positions": int(same.numel()), "agreement": float(same.mean()),
+            "max_abs_logit_diff": float((z - z_ref).abs().max())}
