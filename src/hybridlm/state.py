@@ -107,6 +107,14 @@ class KVState:
         self.tokens = self.tokens[:, :0]
         self.logits = None
 
+    def select(self, rows: torch.Tensor | list[int]) -> None:
+        """Keep only the sequences `rows` of the batch (in that order), in place."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.kv.device)
+        self.kv = self.kv.index_select(2, rows)
+        self.tokens = self.tokens.index_select(0, rows)
+        self.logits = None if self.logits is None else self.logits.index_select(0, rows)
+        self.batch = int(rows.numel())
+
     # ------------------------------------------------------------------ copies
     def clone(self) -> "KVState":
         """An independent copy: F updates a state in place, so keep x_t with x.clone()."""
