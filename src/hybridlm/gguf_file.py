@@ -104,6 +104,7 @@ def load_gguf_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
         model = assemble(cfg, weights, tokenizer, origin=path.name)
         write_cache(cache, cfg, weights, tokenizer)
     model.source = source_name(path)
+    model.gguf_path = path  # the file itself, for references that run it (llama.cpp)
     return model.to(dtype).eval()
 
 

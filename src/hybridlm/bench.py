@@ -1,0 +1,491 @@
+"""`hybridlm bench`: hybridlm beside its references, in one process, on the same model and threads.
+
+Sections (each figure a median over interleaved repeats, with min–max, and a ratio to
+every reference):
+
+- decode: greedy tokens/s, `new_tokens` new tokens after a `prompt_tokens`-token prompt;
+- prefill: tokens/s of a `prefill_tokens`-token prompt entering an empty state;
+- latency: seconds per decode step at context lengths `contexts` (the state makes a step
+  O(n) attention, not a recompute);
+- hooks: the decode step with hooks off, in a build without hook points
+  (`hooks.without_hook_points`), with every residual state recorded, and with every
+  activation recorded (attention patterns included);
+- batch: aggregate tokens/s of B independent sequences (`batched.generate_batch`) vs B = 1;
+- agreement: teacher-forced greedy agreement of each reduced-precision path with the
+  exact one over a text of `agreement_tokens` tokens;
+- memory: resident memory added by loading each contender, the process peak, and the
+  bytes of the KV state at the largest context.
+
+References: `transformers` on the same float32 weights (for a GGUF model, read by its GGUF
+loader; for GPT-2/GPT-Neo, the hub folder) and llama.cpp through `llama_cpp` on the GGUF
+file itself. Repeats are interleaved so that machine noise falls on every contender alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+TEXT = (
+    "The river valley was settled by farmers who came from the hills in the spring. They cleared the "
+    "forest along the banks, built houses of stone and timber, and dug channels that carried water to "
+    "their fields. In dry years the channels were the difference between a harvest and hunger, so the "
+    "villages agreed on rules for sharing the water: each field received its turn, measured by the "
+    "shadow of a post in the square, and a council of elders settled every dispute. Over the centuries "
+    "the villages grew into towns. Merchants arrived with salt, iron and cloth, and the towns sent grain "
+    "and wool down the river to the coast. Bridges replaced the fords, mills were built where the current "
+    "was strongest, and a road followed the river from the mountains to the sea. The old rules for sharing "
+    "water survived all of these changes. When engineers finally built a dam above the first town, they "
+    "wrote the rules into the dam's charter, and the council of elders became a board that still meets "
+    "every spring, on the same day the first farmers began to plant. Historians who study the valley "
+    "often say that its real foundation was not the stone of its houses but the agreement about water."
+)
+
+
+# ---------------------------------------------------------------------- contenders
+@dataclass
+class Contender:
+    """One way of running the model: each callable runs one measured unit of work."""
+
+    name: str
+    decode: Callable[[list[int], int], list[int]]  # (prompt ids, new tokens) → generated ids
+    prefill: Callable[[list[int]], None]
+    step_time: Callable[[list[int], int], float] | None = None  # (context, steps) → s per step
+    kv_bytes: Callable[[list[int]], int | None] | None = None
+    rss_mb: float = 0.0  # resident memory added by building it
+    reference: bool = False
+    sections: tuple[str, ...] = ("decode", "prefill", "latency")
+
+
+def hybridlm_contender(model, name: str, *, hooks: str = "off", sections=("decode", "prefill", "latency")) -> Contender:
+    """hybridlm's own paths; hooks: off | stripped (no hook points) | residuals | all."""
+    from hybridlm.capture import TrajectoryRecorder
+    from hybridlm.hooks import without_hook_points
+    from hybridlm.kernel import Kernel
+    from hybridlm.recursion import token_clock
+
+    def context():
+        if hooks == "stripped":
+            return without_hook_points(model)
+        if hooks == "residuals":
+            return TrajectoryRecorder(model, lambda n: "resid" in n)
+        if hooks == "all":
+            return TrajectoryRecorder(model)
+        return _Null()
+
+    device = model.W_e.device
+
+    def decode(ids, n):
+        with context():
+            steps = token_clock(model, ids, kernel=Kernel(greedy=True), max_new_tokens=n, stop_ids=set())
+            return [s.token for s in steps]
+
+    def prefill(ids):
+        with context():
+            model.init_state(torch.tensor(ids, device=device))
+            _sync(device)
+
+    def step_time(ids, steps):
+        with context():
+            x = model.init_state(torch.tensor(ids[:-1], device=device), capacity=len(ids) + steps)
+            w = torch.tensor([ids[-1]], device=device)
+            model.F(x, w)
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                model.F(x, w)
+            _sync(device)
+            return (time.perf_counter() - t0) / steps
+
+    def kv_bytes(ids):
+        return model.init_state(torch.tensor(ids, device=device)).nbytes()
+
+    return Contender(name, decode, prefill, step_time, kv_bytes, sections=tuple(sections))
+
+
+def transformers_contender(spec, model, device: str) -> Contender | None:
+    """transformers on the same float32 weights; None when it cannot be built here."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return None
+    ref = _transformers_model(spec, model)
+    if ref is None:
+        return None
+    ref = ref.to(device).eval()
+
+    def decode(ids, n):
+        with torch.no_grad():
+            x = torch.tensor([ids], device=device)
+            out = ref.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return out[0, len(ids):].tolist()
+
+    def prefill(ids):
+        with torch.no_grad():
+            ref(torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1)
+        _sync(device)
+
+    def step_time(ids, steps):
+        with torch.no_grad():
+            out = ref(torch.tensor([ids[:-1]], device=device), use_cache=True, logits_to_keep=1)
+            cache, w = out.past_key_values, torch.tensor([[ids[-1]]], device=device)
+            out = ref(w, past_key_values=cache, use_cache=True)
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                out = ref(w, past_key_values=out.past_key_values, use_cache=True)
+            _sync(device)
+            return (time.perf_counter() - t0) / steps
+
+    def kv_bytes(ids):
+        with torch.no_grad():
+            cache = ref(torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1).past_key_values
+        return _cache_bytes(cache)
+
+    return Contender("transformers (float32)", decode, prefill, step_time, kv_bytes, reference=True)
+
+
+def llama_cpp_contender(model, threads: int, n_ctx: int) -> Contender | None:
+    """llama.cpp on the GGUF file the model came from (CPU); None without a file or llama_cpp."""
+    path = getattr(model, "gguf_path", None)
+    if path is None:
+        return None
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                n_batch=512, verbose=False)
+    quant = Path(path).stem.split(".")[-1].split("-")[-1]
+
+    def decode(ids, n):
+        llm.reset()
+        out = []
+        for tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            out.append(tok)
+            if len(out) == n:
+                break
+        return out
+
+    def prefill(ids):
+        llm.reset()
+        llm.eval(ids)
+
+    def step_time(ids, steps):
+        llm.reset()
+        llm.eval(ids[:-1])
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            llm.eval([ids[-1]])
+        return (time.perf_counter() - t0) / steps
+
+    def kv_bytes(ids):  # llama.cpp keeps K and V in float16 for each held position
+        c = model.config
+        return 2 * c.n_layer * c.n_kv_head * c.d_head * len(ids) * 2
+
+    return Contender(f"llama.cpp ({quant})", decode, prefill, step_time, kv_bytes, reference=True)
+
+
+# ---------------------------------------------------------------------- measuring
+@dataclass
+class Figure:
+    values: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        v = self.values
+        return {"median": statistics.median(v), "min": min(v), "max": max(v), "values": v} if v else {}
+
+
+def interleaved(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, Figure]:
+    """Each run returns a figure; one warm-up, then `repeats` rounds over all contenders."""
+    for run in runs.values():
+        run()
+    figures = {name: Figure() for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            figures[name].values.append(run())
+    return figures
+
+
+def _timed(fn: Callable[[], object], work: int) -> Callable[[], float]:
+    def run() -> float:
+        t0 = time.perf_counter()
+        fn()
+        return work / (time.perf_counter() - t0)
+
+    return run
+
+
+# ---------------------------------------------------------------------- the benchmark
+@dataclass
+class BenchConfig:
+    model: str | None = None
+    threads: int = 2
+    repeats: int = 3
+    new_tokens: int = 256
+    prompt_tokens: int = 64
+    prefill_tokens: int = 512
+    contexts: tuple[int, ...] = (64, 256, 1024)
+    latency_steps: int = 16
+    precisions: tuple[str, ...] = ("bfloat16", "int8", "int4")
+    batch: int = 8
+    batch_new_tokens: int = 64
+    agreement_tokens: int = 200
+    references: bool = True
+    sections: tuple[str, ...] = ("decode", "prefill", "latency", "hooks", "batch", "agreement")
+    device: str | None = None
+
+
+def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
+    from hybridlm.loading import load_model
+    from hybridlm.quantize import agreement, set_precision
+
+    torch.set_num_threads(cfg.threads)
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    base_dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    rss0 = _rss_mb()
+    exact = load_model(cfg.model, device=device)
+    exact_name = "hybridlm (float32)"
+    contenders = [hybridlm_contender(exact, exact_name)]
+    contenders[0].rss_mb = _rss_mb() - rss0
+    tok = exact.tokenizer
+    text_ids = _text_ids(tok, exact.config.vocab_size, max(cfg.contexts + (cfg.prefill_tokens, cfg.agreement_tokens)))
+    prompt, prefill_ids = text_ids[: cfg.prompt_tokens], text_ids[: cfg.prefill_tokens]
+
+    reduced = {}
+    for p in cfg.precisions:
+        rss = _rss_mb()
+        m = set_precision(load_model(cfg.model, device=device), p)
+        reduced[p] = m
+        c = hybridlm_contender(m, f"hybridlm ({p})")
+        c.rss_mb = _rss_mb() - rss
+        contenders.append(c)
+    if device == "cuda" and "bfloat16" not in reduced:
+        log("note: on CUDA bfloat16 is the default path; add it with --precisions bfloat16")
+    if "hooks" in cfg.sections:
+        for mode in ("stripped", "residuals", "all"):
+            label = {"stripped": "no hook points", "residuals": "all residual states", "all": "every activation"}[mode]
+            contenders.append(hybridlm_contender(exact, f"hybridlm (float32, {label})", hooks=mode,
+                                                 sections=("decode", "prefill")))
+    if cfg.references:
+        rss = _rss_mb()
+        ref = transformers_contender(cfg.model, exact, device)
+        if ref is not None:
+            ref.rss_mb = _rss_mb() - rss
+            contenders.append(ref)
+        else:
+            log("transformers reference not available for this model: skipped")
+        rss = _rss_mb()
+        llama = llama_cpp_contender(exact, cfg.threads, n_ctx=max(cfg.contexts + (cfg.prefill_tokens,)) + 64)
+        if llama is not None:
+            llama.rss_mb = _rss_mb() - rss
+            contenders.append(llama)
+    log(f"device {device} ({_device_name(device)}), {cfg.threads} threads, torch {torch.__version__}, "
+        f"model {exact.source}, {len(contenders)} contenders, {cfg.repeats} repeats")
+
+    report: dict = {
+        "device": device, "device_name": _device_name(device), "threads": cfg.threads,
+        "torch": torch.__version__, "python": platform.python_version(), "model": exact.source,
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()},
+        "contenders": {c.name: {"rss_load_mb": round(c.rss_mb, 1), "reference": c.reference} for c in contenders},
+    }
+    if base_dtype != torch.float32:
+        report["note"] = "on CUDA the exact path is float32; bfloat16 is the fast default there"
+
+    def section(name: str, unit: str, runs: dict[str, Callable[[], float]], higher_better: bool = True) -> None:
+        log(f"[{name}] ...")
+        figs = {k: f.as_dict() for k, f in interleaved(runs, cfg.repeats).items()}
+        report[name] = {"unit": unit, "figures": figs,
+                        "ratios": _ratios(figs, contenders, exact_name, higher_better)}
+        _print_section(name, unit, report[name], log)
+
+    if "decode" in cfg.sections:
+        section("decode", "tokens/s", {c.name: _timed(lambda c=c: c.decode(prompt, cfg.new_tokens), cfg.new_tokens)
+                                       for c in contenders if "decode" in c.sections})
+        outputs = {c.name: c.decode(prompt, 32) for c in contenders if "decode" in c.sections}
+        report["decode"]["same_tokens_as_exact_first_32"] = {k: v == outputs[exact_name] for k, v in outputs.items()}
+    if "prefill" in cfg.sections:
+        section("prefill", "tokens/s", {c.name: _timed(lambda c=c: c.prefill(prefill_ids), len(prefill_ids))
+                                        for c in contenders if "prefill" in c.sections})
+    if "latency" in cfg.sections:
+        for n in cfg.contexts:
+            ctx = text_ids[:n]
+            section(f"latency@{n}", "s/token", {
+                c.name: (lambda c=c, ctx=ctx: c.step_time(ctx, cfg.latency_steps))
+                for c in contenders if c.step_time is not None and "latency" in c.sections}, higher_better=False)
+        lo, hi = min(cfg.contexts), max(cfg.contexts)
+        report["latency_growth"] = {
+            c.name: report[f"latency@{hi}"]["figures"][c.name]["median"] / report[f"latency@{lo}"]["figures"][c.name]["median"]
+            for c in contenders if c.name in report.get(f"latency@{hi}", {}).get("figures", {})}
+        log(f"  latency at {hi} / latency at {lo}: " + ", ".join(f"{k} {v:.2f}×" for k, v in report["latency_growth"].items()))
+    if "hooks" in cfg.sections:
+        report["hooks"] = _hook_ratios(report, exact_name)
+        for k, v in report["hooks"].items():
+            log(f"  {k}: " + ", ".join(f"{s} {r:.3f}×" for s, r in v.items()))
+    if "batch" in cfg.sections:
+        report["batch"] = _batch(exact, text_ids, cfg, log)
+    if "agreement" in cfg.sections and reduced:
+        ids = text_ids[: cfg.agreement_tokens]
+        report["agreement"] = {p: agreement(m, exact, ids) for p, m in reduced.items()}
+        for p, a in report["agreement"].items():
+            log(f"  agreement {p} vs float32 over {a['positions']} teacher-forced positions: "
+                f"{a['agreement'] * 100:.1f}%  (max |Δz| {a['max_abs_logit_diff']:.3g})")
+    big = text_ids[: max(cfg.contexts)]
+    report["memory"] = {
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "kv_bytes_at": len(big),
+        "kv_bytes": {c.name: c.kv_bytes(big) for c in contenders
+                     if c.kv_bytes is not None and "latency" in c.sections},
+        "rss_load_mb": {c.name: round(c.rss_mb, 1) for c in contenders},
+    }
+    log(f"[memory] peak RSS {report['memory']['peak_rss_mb']} MB; KV bytes at n={len(big)}: "
+        + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in report["memory"]["kv_bytes"].items() if v))
+    return report
+
+
+def _batch(model, text_ids, cfg: BenchConfig, log) -> dict:
+    from hybridlm.batched import generate_batch
+    from hybridlm.kernel import Kernel
+
+    prompts = [text_ids[i : i + cfg.prompt_tokens] for i in range(cfg.batch)]
+    kernel = Kernel(greedy=True)
+
+    def run(bs: int) -> float:
+        t0 = time.perf_counter()
+        generate_batch(model, prompts[:bs], kernel=kernel, max_new_tokens=cfg.batch_new_tokens, stop_ids=set())
+        return bs * cfg.batch_new_tokens / (time.perf_counter() - t0)
+
+    log(f"[batch] B=1 vs B={cfg.batch}, {cfg.batch_new_tokens} new tokens each ...")
+    figs = interleaved({"B=1": lambda: run(1), f"B={cfg.batch}": lambda: run(cfg.batch)}, cfg.repeats)
+    out = {"unit": "tokens/s (aggregate)", "figures": {k: f.as_dict() for k, f in figs.items()}}
+    out["ratio"] = out["figures"][f"B={cfg.batch}"]["median"] / out["figures"]["B=1"]["median"]
+    log(f"  B=1 {out['figures']['B=1']['median']:.1f} tok/s, B={cfg.batch} "
+        f"{out['figures'][f'B={cfg.batch}']['median']:.1f} tok/s: {out['ratio']:.2f}×")
+    return out
+
+
+def _hook_ratios(report: dict, exact: str) -> dict:
+    out = {}
+    for sec in ("decode", "prefill"):
+        figs = report.get(sec, {}).get("figures", {})
+        if exact not in figs:
+            continue
+        off = figs[exact]["median"]
+        pairs = {"hooks off / no hook points": "hybridlm (float32, no hook points)",
+                 "all residual states / hooks off": "hybridlm (float32, all residual states)",
+                 "every activation / hooks off": "hybridlm (float32, every activation)"}
+        # rates are tokens/s: a cost ratio is rate(off) / rate(with hooks)
+        row = {}
+        for label, name in pairs.items():
+            if name in figs:
+                row[label] = figs[name]["median"] / off if label.startswith("hooks off") else off / figs[name]["median"]
+        out[f"{sec} time ratio"] = row
+    return out
+
+
+def _ratios(figs: dict, contenders: list[Contender], exact: str, higher_better: bool) -> dict:
+    """hybridlm path / reference, as a speed ratio (> 1: hybridlm faster)."""
+    out = {}
+    for c in contenders:
+        if c.name not in figs or c.reference:
+            continue
+        for r in contenders:
+            if r.reference and r.name in figs:
+                a, b = figs[c.name]["median"], figs[r.name]["median"]
+                out[f"{c.name} / {r.name}"] = a / b if higher_better else b / a
+    return out
+
+
+def _print_section(name: str, unit: str, sec: dict, log) -> None:
+    log(f"  {'':<44} {unit:>12}   (min–max)")
+    for k, f in sec["figures"].items():
+        scale, u = (1e3, "ms") if unit == "s/token" else (1, "")
+        log(f"  {k:<44} {f['median'] * scale:>10.2f}{u}   ({f['min'] * scale:.2f}–{f['max'] * scale:.2f})")
+    for k, r in sec["ratios"].items():
+        log(f"    speed {k}: {r:.2f}×")
+
+
+# ---------------------------------------------------------------------- helpers
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _text_ids(tok, vocab_size: int, n: int) -> list[int]:
+    """n token ids of English text (repeated as needed), or seeded random ids without a tokenizer."""
+    if tok is None:
+        g = torch.Generator().manual_seed(0)
+        return torch.randint(0, vocab_size, (n,), generator=g).tolist()
+    ids = tok.encode(TEXT)
+    while len(ids) < n:
+        ids = ids + tok.encode(" " + TEXT)
+    return ids[:n]
+
+
+def _transformers_model(spec, model):
+    from hybridlm.hub import save_hub_folder
+
+    path = getattr(model, "gguf_path", None)
+    if path is not None:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(Path(path).parent, gguf_file=Path(path).name,
+                                                    torch_dtype=torch.float32)
+    if model.config.family not in ("gpt2", "gpt-neo"):
+        return None
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as folder:
+        save_hub_folder(model, folder)
+        return AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+
+
+def _cache_bytes(cache) -> int | None:
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return sum(t.nbytes for layer in layers for t in (layer.keys, layer.values) if t is not None)
+    try:
+        return sum(t.nbytes for pair in cache for t in pair)
+    except TypeError:
+        return None
+
+
+def _rss_mb() -> float:
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return 0.0
+
+
+def _sync(device) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return platform.processor() or platform.machine()
+
+
+def write_report(report: dict, out: str | Path) -> None:
+    Path(out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run `hybridlm bench` or `python benchmarks/bench.py`")
