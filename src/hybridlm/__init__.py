@@ -1,7 +1,17 @@
 """hybridlm: decoder-only language models as explicit hybrid dynamical systems."""
 
+import os
+
+# Large tensors (weights, KV states, recorded trajectories) on transparent huge pages: fewer
+# TLB misses while a decode step streams the weights, fewer page faults while a recording
+# allocates. PyTorch reads this at its first large allocation; set it to 0 to opt out.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
 from hybridlm.alphabet import concat, selection_P, selection_U, truncate
 from hybridlm.config import PRESETS, ModelConfig
+from hybridlm.control import (
+    Controller, MultiObjective, SafetyFilter, Steering, ban_words, contrast_vector, optimise_prefix,
+)
 from hybridlm.errors import ConfigError, HybridLMError, InputError, ModelNotFoundError, WeightsError
 from hybridlm.kernel import Kernel
 from hybridlm.loading import load_model
@@ -12,7 +22,8 @@ from hybridlm.state import KVState
 __version__ = "0.1.0"
 
 __all__ = [
-    "PRESETS", "ConfigError", "DecoderLM", "Generation", "HybridLMError", "InputError", "KVState",
+    "PRESETS", "ConfigError", "Controller", "DecoderLM", "Generation", "HybridLMError", "InputError", "KVState",
     "Kernel", "ModelConfig", "ModelNotFoundError", "TokenStep", "WeightsError", "concat",
     "generate", "load_model", "selection_P", "selection_U", "token_clock", "truncate",
+    "MultiObjective", "SafetyFilter", "Steering", "ban_words", "contrast_vector", "optimise_prefix",
 ]

@@ -9,7 +9,10 @@
                observation entering the state through a prefill phase; k ← k + 1
 
 The solution is a hybrid arc over the hybrid time domain {(t, k)}, with wall time
-attached to every event and written to the trace as it happens. Limits bound the arc:
+attached to every event and written to the trace as it happens. Controllers
+(hybridlm.control) may act in the flow map: their residual inputs for the whole arc, their
+kernel inputs on free text only (inside a tool call the grammar mask is the input); each
+action is a `control` event of the trace. Limits bound the arc:
 a token budget (flow horizon), a jump horizon, and at most `max_jumps_per_step` jumps
 at one token step, so no Zeno loop of tool calls can occur; when jumps are no longer
 allowed the tokens that would open a call are removed from the kernel.
@@ -17,6 +20,7 @@ allowed the tokens that would open a call are removed from the kernel.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -69,6 +73,7 @@ class Arc:
     wall_external_s: float = 0.0
     generated_ids: list[int] = field(default_factory=list)
     trace: str | None = None
+    control: list[dict] = field(default_factory=list)  # what the controllers did, per token step
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,6 +110,7 @@ class HybridAgent:
         example: bool = True,
         record_states: bool = False,
         constrain: bool = True,
+        controllers=None,
     ) -> None:
         if tool_choice not in TOOL_CHOICES:
             raise InputError(f"tool choice {tool_choice!r}: expected one of {TOOL_CHOICES}")
@@ -121,6 +127,7 @@ class HybridAgent:
         self.stop_ids = self.tokenizer.stop_ids()
         self.replay: list[dict] | None = None  # recorded observations, for replay
         self._prefix: tuple[list[int], object] | None = None  # (ids, state) of the fixed prompt prefix
+        self._control = self._control_loop(controllers)
 
     # ------------------------------------------------------------------ the arc
     def run(self, task: str, *, trace: str | Path | None = None) -> Arc:
@@ -128,9 +135,20 @@ class HybridAgent:
             raise InputError("empty task: give the agent something to do")
         self._trace = TraceWriter(trace) if trace else NullTrace()
         try:
-            return self._run(task)
+            with self._control.attached() if self._control else contextlib.nullcontext():
+                return self._run(task)
         finally:
             self._trace.close()
+
+    def _control_loop(self, controllers):
+        if not controllers:
+            return None
+        from hybridlm.control.loop import ControlLoop
+
+        loop = ControlLoop(self.model, controllers, kernel=self.kernel, stop_ids=self.stop_ids)
+        if loop.prefix is not None:
+            raise InputError("the agent takes no soft prefix (its prompt state is shared across tasks)")
+        return loop
 
     def _run(self, task: str) -> Arc:
         self.t, self.k, self.q = 0, 0, "q_G"
@@ -142,7 +160,8 @@ class HybridAgent:
         self._trace.write("start", t=0, k=0, wall_s=0.0, task=task, model=getattr(self.model, "source", "?"),
                           kernel=asdict(self.kernel), limits=asdict(self.limits), tool_choice=self.tool_choice,
                           constrain=self.constrain,
-                          tools=[t.schema() for t in self.tools], seed=self.seed)
+                          tools=[t.schema() for t in self.tools], seed=self.seed,
+                          control=[c.describe() for c in self._control.controllers] if self._control else [])
         self.messages = self.protocol.messages(task)
         prompt = self.protocol.prompt_ids(self.messages)
         self._phase("prefill", tokens=len(prompt))
@@ -201,6 +220,8 @@ class HybridAgent:
         allowed = self.grammar.allowed() if self.grammar else self._free_allowed()
         if allowed is not None:
             z = z.masked_fill(~allowed.to(z.device), float("-inf"))
+        if self._control is not None and self.grammar is None:  # free text: the controllers act
+            z = self._controlled(z)
         w = self.kernel.sample(z, self.generator)
         self.model.F(self.x, w)
         self.t += 1
@@ -230,6 +251,17 @@ class HybridAgent:
                     self.grammar.feed(rest)
                 except ValueError:
                     self.grammar.segments.clear()  # malformed: D is reached, g reports the error
+
+    def _controlled(self, z: torch.Tensor) -> torch.Tensor:
+        """(v_t, M_t) from the controllers, seeing the text of the current turn; each action traced."""
+        texts = self.table.texts
+        self._control.texts = ["".join(texts[i] if i < len(texts) else "" for i in self.turn)]
+        z, records = self._control.step(self.t + 1, z, self.x)
+        for rec in records:
+            row = rec.row(0)
+            self.arc.control.append({"t": self.t + 1, "k": self.k, **row})
+            self._trace.write("control", t=self.t + 1, k=self.k, wall_s=self._wall(), **row)
+        return z
 
     def _open_call(self):
         """A call segment forced open at the start of the turn (tool choice "required")."""
@@ -350,6 +382,9 @@ def replay(trace_path: str | Path, model) -> tuple[Arc, bool, int | None]:
     start = next((e for e in events if e["event"] == "start"), None)
     if start is None:
         raise InputError(f"{trace_path}: no start event, cannot replay")
+    if start.get("control"):
+        raise InputError(f"{trace_path}: recorded with control inputs {start['control']}; replay does not rebuild "
+                         "controllers")
     recorded = [e["token"] for e in events if e["event"] == "token"]
     tools = ToolRegistry()
     for schema in start["tools"]:

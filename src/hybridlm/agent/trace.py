@@ -4,6 +4,8 @@ Events (every one carries the hybrid time (t, k) and the wall time `wall_s`):
 - `start`: the run's configuration (task, model, kernel, limits, tools, seed);
 - `phase`: a phase change (prefill, decode, constrained, external) and the mode q_G / q_E;
 - `token`: one token step of the flow, with the token and its text;
+- `control`: what a controller did before a token step (e.g. the probability mass a
+  safety filter removed, or that no safe token remained and what was done then);
 - `jump`: one jump, with the tool, arguments, observation, error and duration;
 - `end`: the answer, the stop reason and totals.
 
@@ -103,6 +105,11 @@ def format_timeline(events: list[dict], *, tokens: bool = False) -> str:
             flush_text()
             extra = f" ({e['tokens']} tokens)" if "tokens" in e else ""
             lines.append(f"{stamp} │ {e['mode']} {e['phase']}{extra}")
+        elif kind == "control" and (tokens or e.get("no_safe_token")):
+            flush_text()
+            mass = f" removed mass {e['removed_mass']:.3f}" if e.get("removed_mass") is not None else ""
+            empty = f"; no safe token → {e.get('action')}" if e.get("no_safe_token") else ""
+            lines.append(f"{stamp} │   control {e['controller']}{mass}{empty}")
         elif kind == "jump":
             flush_text()
             status = f"error={e['error']}" if e.get("error") else "ok"
