@@ -36,6 +36,58 @@ def cli() -> None:
     """Decoder-only language models as explicit hybrid dynamical systems."""
 
 
+def _control_options(fn):
+    """--ban, --steer, --steer-layer, --steer-scale: the control inputs of `generate` and `agent`."""
+    fn = click.option("--steer-scale", type=float, default=1.0, show_default=True,
+                      help="α in u = α v: the steering input's gain (finite; 0 = no input).")(fn)
+    fn = click.option("--steer-layer", type=int, default=None,
+                      help="Layer ℓ of H⁽ℓ⁾ the vector is added to (0 = embedding) [default: the file's].")(fn)
+    fn = click.option("--steer", type=click.Path(dir_okay=False), default=None,
+                      help="Steering vector file (from `hybridlm steer build`): adds α v to the residual stream.")(fn)
+    fn = click.option("--ban", default=None,
+                      help="Comma-separated words the text must never contain (a control-barrier safety filter).")(fn)
+    return fn
+
+
+def _controllers(model, ban, steer, steer_layer, steer_scale) -> list:
+    """The controllers the control options ask for (empty: the uncontrolled system)."""
+    import math
+
+    from hybridlm.errors import InputError
+
+    out = []
+    if steer is None and (steer_layer is not None or steer_scale != 1.0):
+        raise InputError("--steer-layer and --steer-scale need a steering vector: add --steer FILE")
+    if steer is not None:
+        from hybridlm.control import ContrastVector, Steering
+
+        if not math.isfinite(steer_scale):
+            raise InputError(f"--steer-scale {steer_scale}: expected a finite number")
+        vector = ContrastVector.load(steer)
+        steering = Steering(vector, layer=steer_layer, scale=steer_scale)
+        steering.hooks(model)  # checks width and layer now, before any generation
+        if vector.model and vector.model != model.source:
+            click.echo(f"[note: the steering vector was built on {vector.model}, used on {model.source}]", err=True)
+        out.append(steering)
+    if ban is not None:
+        from hybridlm.control import ban_words
+
+        out.append(ban_words([w for w in ban.split(",")], model.tokenizer))
+    return out
+
+
+def _control_summary(controllers, step_records: list[list[dict]]) -> dict:
+    masses = [r["removed_mass"] for recs in step_records for r in recs if r.get("removed_mass") is not None]
+    return {
+        "controllers": [c.describe() for c in controllers],
+        "steps_filtered": sum(1 for recs in step_records if any("removed_mass" in r for r in recs)),
+        "removed_mass_total": round(sum(masses), 6),
+        "removed_mass_max": round(max(masses), 6) if masses else 0.0,
+        "no_safe_steps": sum(1 for recs in step_records if any(r.get("no_safe_token") for r in recs)),
+        "per_step": step_records,
+    }
+
+
 MODEL_HELP = "Model: a name (smollm2-135m, gpt2, random:gpt2, ...), a hub-layout folder or a .gguf file. Default: the embedded SmolLM2-135M-Instruct."
 
 
@@ -51,7 +103,9 @@ MODEL_HELP = "Model: a name (smollm2-135m, gpt2, random:gpt2, ...), a hub-layout
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template; stop at end of turn.")
 @click.option("--ids", "as_ids", is_flag=True, help="PROMPT is a list of token ids (comma or space separated).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top_p, seed, chat, as_ids, as_json):
+@_control_options
+def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top_p, seed, chat, as_ids, as_json,
+             ban, steer, steer_layer, steer_scale):
     """Run the token-clock recursion from PROMPT and print the continuation."""
     from hybridlm.errors import InputError
     from hybridlm.kernel import Kernel
@@ -68,10 +122,12 @@ def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top
     load_s = time.perf_counter() - t0
     tok = model.tokenizer
     prompt_ids = _prompt_ids(prompt, model, as_ids=as_ids, chat=chat)
+    controllers = _controllers(model, ban, steer, steer_layer, steer_scale)
 
     steps, shown = [], ""
     t0 = time.perf_counter()
-    for step in token_clock(model, prompt_ids, kernel=kernel, max_new_tokens=max_new_tokens, seed=seed):
+    for step in token_clock(model, prompt_ids, kernel=kernel, max_new_tokens=max_new_tokens, seed=seed,
+                            controllers=controllers):
         steps.append(step)
         if not as_json and tok is not None:
             text = tok.decode(_visible(steps, tok))
@@ -97,6 +153,8 @@ def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top
             "wall_s": round(gen_s, 3),
             "tokens_per_s": round(len(steps) / gen_s, 2) if steps and gen_s > 0 else None,
         }
+        if controllers:
+            out["control"] = _control_summary(controllers, [list(s.control) for s in steps])
         click.echo(json.dumps(out, ensure_ascii=False))
     else:
         if tok is None:
@@ -108,6 +166,10 @@ def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top
             f"{kernel.describe()}, model {model.source}]",
             err=True,
         )
+        if controllers:
+            c = _control_summary(controllers, [list(s.control) for s in steps])
+            click.echo(f"[control: {c['steps_filtered']} steps filtered, removed mass {c['removed_mass_total']:.3f} "
+                       f"in total, {c['no_safe_steps']} steps with no safe token]", err=True)
 
 
 @cli.command()
@@ -126,8 +188,9 @@ def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top
               help="Write the hybrid arc to this JSONL file as it happens.")
 @click.option("--states", is_flag=True, help="With --trace: also save the final-layer state of each token (safetensors).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_control_options
 def agent(task, model_spec, tools, kb, tool_choice, max_jumps, max_new_tokens, temperature, seed, trace_path,
-          states, as_json):
+          states, as_json, ban, steer, steer_layer, steer_scale):
     """Run TASK through the agentic hybrid automaton (generate ⇄ external modes)."""
     from hybridlm.agent import HybridAgent, Limits, registry
     from hybridlm.errors import InputError
@@ -141,7 +204,8 @@ def agent(task, model_spec, tools, kb, tool_choice, max_jumps, max_new_tokens, t
     kernel = Kernel(greedy=True) if temperature is None else Kernel(temperature=temperature)
     model = load_model(model_spec, seed=seed)
     runner = HybridAgent(model, reg, kernel=kernel, limits=Limits(max_token_steps=max_new_tokens, max_jumps=max_jumps),
-                         tool_choice=tool_choice, seed=seed, record_states=states)
+                         tool_choice=tool_choice, seed=seed, record_states=states,
+                         controllers=_controllers(model, ban, steer, steer_layer, steer_scale))
     arc = runner.run(task, trace=trace_path)
     if as_json:
         click.echo(json.dumps(arc.to_dict(), ensure_ascii=False))
@@ -151,6 +215,83 @@ def agent(task, model_spec, tools, kb, tool_choice, max_jumps, max_new_tokens, t
         click.echo(f"  jump {j.k} at t={j.t}: {j.tool}({json.dumps(j.arguments)}) → {j.observation[:120]}{status}", err=True)
     click.echo(arc.answer)
     click.echo(f"[{arc.summary()}{', trace ' + trace_path if trace_path else ''}]", err=True)
+
+
+@cli.group(cls=Group)
+def steer():
+    """Steering vectors: contrast vectors of residual states (activation steering)."""
+
+
+@steer.command("build")
+@click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
+@click.option("--pos", "positive", multiple=True, required=True, help="A prompt of the positive set (repeat).")
+@click.option("--neg", "negative", multiple=True, required=True, help="A prompt of the negative set (repeat).")
+@click.option("--layer", type=int, required=True, help="Layer ℓ of H⁽ℓ⁾ (0 = embedding, L = after the last block).")
+@click.option("--out", type=click.Path(dir_okay=False), required=True, help="Output file (.safetensors).")
+def steer_build(model_spec, positive, negative, layer, out):
+    """v = mean H⁽ℓ⁾ over the --pos prompts − mean over the --neg prompts; save it to OUT."""
+    from hybridlm.control import contrast_vector
+    from hybridlm.loading import load_model
+
+    model = load_model(model_spec)
+    cv = contrast_vector(model, list(positive), list(negative), layer)
+    cv.save(out)
+    click.echo(f"wrote {out}: layer {layer}, ‖v‖ = {float(cv.vector.norm()):.3f}, d = {cv.vector.numel()}, "
+               f"{len(cv.positive)} positive / {len(cv.negative)} negative prompts, model {cv.model}")
+
+
+@cli.command()
+@click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
+@click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1), help="Interleaved repeats per figure.")
+@click.option("--new-tokens", default=256, show_default=True, type=click.IntRange(min=1), help="Decode: new tokens.")
+@click.option("--prompt-tokens", default=64, show_default=True, type=click.IntRange(min=1), help="Decode: prompt length.")
+@click.option("--prefill-tokens", default=512, show_default=True, type=click.IntRange(min=1))
+@click.option("--contexts", default="64,256,1024", show_default=True, help="Latency: context lengths.")
+@click.option("--precisions", default="bfloat16,int8,int4", show_default=True,
+              help="Reduced-precision paths to run beside float32 (comma-separated; '' for none).")
+@click.option("--batch", default=8, show_default=True, type=click.IntRange(min=1), help="Batched generation: B.")
+@click.option("--sections", default="decode,prefill,latency,hooks,batch,agreement", show_default=True)
+@click.option("--no-references", is_flag=True, help="Skip transformers and llama.cpp.")
+@click.option("--device", default=None, help="cpu or cuda [default: cuda when present].")
+@click.option("--quick", is_flag=True, help="A smoke run: 1 repeat, 16 new tokens, short contexts.")
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the figures as JSON here.")
+def bench(model_spec, threads, repeats, new_tokens, prompt_tokens, prefill_tokens, contexts, precisions, batch,
+          sections, no_references, device, quick, out):
+    """Speed beside the references (transformers, llama.cpp), in one process: a table and JSON."""
+    from hybridlm.bench import BenchConfig, run_bench, write_report
+    from hybridlm.errors import InputError
+    from hybridlm.quantize import PRECISIONS
+
+    def ints(text: str, what: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v) for v in text.split(",") if v.strip())
+        except ValueError:
+            raise InputError(f"{what} {text!r}: expected comma-separated integers") from None
+        if not values or min(values) < 2:
+            raise InputError(f"{what} {text!r}: expected integers ≥ 2")
+        return values
+
+    chosen = tuple(p.strip() for p in precisions.split(",") if p.strip())
+    for p in chosen:
+        if p not in PRECISIONS:
+            raise InputError(f"precision {p!r}: expected one of {', '.join(PRECISIONS)}")
+    known = BenchConfig.sections
+    wanted = tuple(s.strip() for s in sections.split(",") if s.strip())
+    for s in wanted:
+        if s not in known:
+            raise InputError(f"section {s!r}: expected some of {', '.join(known)}")
+    cfg = BenchConfig(model=model_spec, threads=threads, repeats=repeats, new_tokens=new_tokens,
+                      prompt_tokens=prompt_tokens, prefill_tokens=prefill_tokens, contexts=ints(contexts, "contexts"),
+                      precisions=chosen, batch=batch, references=not no_references, sections=wanted, device=device)
+    if quick:
+        cfg.repeats, cfg.new_tokens, cfg.prefill_tokens, cfg.latency_steps = 1, 16, 64, 4
+        cfg.contexts, cfg.batch_new_tokens, cfg.agreement_tokens = (16, 64), 8, 64
+        cfg.prompt_tokens = min(cfg.prompt_tokens, 16)
+    report = run_bench(cfg, log=click.echo)
+    if out:
+        write_report(report, out)
+        click.echo(f"wrote {out}")
 
 
 @cli.group(cls=Group)
@@ -282,6 +423,98 @@ def models(as_json):
         mark = "✓" if r["available"] else "✗"
         default = " (default)" if r["default"] else ""
         click.echo(f"{mark} {r['name']:<{width}}  {r['family']:<{fam}}  {r['source']}{default}")
+
+
+@cli.group(cls=Group)
+def survey():
+    """Learning as optimal control, ResNets as ODEs, memorisation (survey eqs. 0.18–0.38)."""
+
+
+def _survey_depths(text: str) -> list[int]:
+    from hybridlm.errors import InputError
+
+    try:
+        depths = [int(p) for p in text.replace(",", " ").split()]
+    except ValueError:
+        raise InputError(f"--depths expects integers ℓ ≥ 2 separated by commas, got {text!r}") from None
+    if len(depths) < 2:
+        raise InputError(f"--depths {text!r}: expected at least two depths")
+    return depths
+
+
+def _survey_table(rows: list[tuple[str, str]], out) -> None:
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        click.echo(f"{name:<{width}}  {value}")
+    click.echo(f"wrote {out}")
+
+
+@survey.command("adjoint")
+@click.option("--out", type=click.Path(file_okay=False), required=True, help="Output folder (JSON, PNG).")
+@click.option("--depth", default=8, show_default=True, type=int, help="Layers ℓ (ℓ ≥ 2).")
+@click.option("--width", default=6, show_default=True, type=int, help="Neurons n per layer.")
+@click.option("--samples", default=16, show_default=True, type=int)
+@click.option("--steps", default=300, show_default=True, type=int, help="Gradient-descent steps (0.32).")
+@click.option("--lr", default=0.5, show_default=True, type=float, help="Step size η of (0.32).")
+@click.option("--seed", default=0, show_default=True, type=int)
+def survey_adjoint(out, depth, width, samples, steps, lr, seed):
+    """Backpropagation as a discrete adjoint (0.24)–(0.34) and the costate (0.37)."""
+    from hybridlm.optimal.runs import run_adjoint
+
+    s = run_adjoint(out, depth=depth, width=width, samples=samples, steps=steps, lr=lr, seed=seed)
+    rows = [("adjoint vs autograd, max rel. error", f"{s['max_gradient_error']:.2e}")]
+    rows += [(f"costate {rule} vs adjoint", f"{e:.2e}") for rule, e in s["max_costate_error"].items()]
+    rows += [(f"train {kind} (0.32)", f"loss {t['loss_before']:.4g} → {t['loss_after']:.4g}")
+             for kind, t in s["training"].items()]
+    _survey_table(rows, out)
+
+
+@survey.command("euler")
+@click.option("--out", type=click.Path(file_okay=False), required=True, help="Output folder (JSON, PNG).")
+@click.option("--depths", default="8,16,32,64,128", show_default=True, help="Depths ℓ, comma separated.")
+@click.option("--width", default=4, show_default=True, type=int)
+@click.option("--samples", default=8, show_default=True, type=int)
+@click.option("--kind", type=click.Choice(["affine", "sinusoid"]), default="affine", show_default=True,
+              help="W(t) = W0 + t W1, or W0 + sin(2πt) W1.")
+@click.option("--seed", default=0, show_default=True, type=int)
+def survey_euler(out, depths, width, samples, kind, seed):
+    """ResNets as Euler discretisations: error (0.21) vs depth and log-log slopes."""
+    from hybridlm.optimal.runs import run_euler
+
+    s = run_euler(out, depths=_survey_depths(depths), width=width, samples=samples, seed=seed, kind=kind)
+    _survey_table([(name, f"slope {s['slopes'][name]:+.3f}  error at ℓ={s['depths'][-1]}: {e[-1]:.2e}")
+                   for name, e in s["errors"].items()], out)
+
+
+@survey.command("memorise")
+@click.option("--out", type=click.Path(file_okay=False), required=True, help="Output folder (JSON, PNG).")
+@click.option("--depths", default="2,4,8,16,32", show_default=True, help="Depths ℓ, comma separated.")
+@click.option("--samples", default=12, show_default=True, type=int)
+@click.option("--steps", default=300, show_default=True, type=int, help="Adam steps per depth.")
+@click.option("--lr", default=0.05, show_default=True, type=float)
+@click.option("--seed", default=0, show_default=True, type=int)
+def survey_memorise(out, depths, samples, steps, lr, seed):
+    """Memorisation as simultaneous control: one input steers all samples; error vs depth."""
+    from hybridlm.optimal.runs import run_memorise
+
+    s = run_memorise(out, depths=_survey_depths(depths), samples=samples, steps=steps, lr=lr, seed=seed)
+    _survey_table([(f"ℓ = {r['depth']} (n = {r['width']})", f"max error {r['max_error']:.2e}  rms {r['rms_error']:.2e}")
+                   for r in s["runs"]], out)
+
+
+@survey.command("neural-ode")
+@click.option("--out", type=click.Path(file_okay=False), required=True, help="Output folder (JSON, PNG).")
+@click.option("--steps", default=150, show_default=True, type=int, help="Adam steps.")
+@click.option("--samples", default=64, show_default=True, type=int)
+@click.option("--lr", default=0.02, show_default=True, type=float)
+@click.option("--seed", default=0, show_default=True, type=int)
+def survey_neural_ode(out, steps, samples, lr, seed):
+    """A Neural ODE trained with torchdiffeq's adjoint solver; adjoint vs autograd gradient."""
+    from hybridlm.optimal.runs import run_neural_ode
+
+    s = run_neural_ode(out, steps=steps, samples=samples, lr=lr, seed=seed)
+    _survey_table([("loss", f"{s['loss_before']:.4g} → {s['loss_after']:.4g} in {steps} steps"),
+                   ("adjoint vs autograd, rel. error", f"{s['adjoint_vs_autograd']:.2e}")], out)
 
 
 def _prompt_ids(prompt: str, model, *, as_ids: bool, chat: bool) -> list[int]:
