@@ -157,3 +157,17 @@ def test_bench_command_rejects_bad_options():
     assert r.exit_code == 2 and "precision 'fp8'" in r.output
     r = CliRunner().invoke(cli, ["bench", "--contexts", "64,x"])
     assert r.exit_code == 2 and "contexts" in r.output
+
+
+@pytest.mark.parametrize("kv", [4, 2])
+def test_a_hooked_decode_step_equals_the_fused_one(kv):
+    """One query row against the state (the decode step's explicit path) matches SDPA."""
+    m = tiny(n_kv_head=kv)
+    ids = torch.randint(0, 300, (2, 30), generator=torch.Generator().manual_seed(kv))
+    x = m.init_state(ids[:, :29])
+    ref = m(ids[:, 29:], x.clone())
+    seen = []
+    with m.hooks({"blocks.1.attn.hook_pattern": lambda a, h: seen.append(a)}):
+        out = m(ids[:, 29:], x.clone())
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    assert seen[0].shape == (2, 4, 1, 30) and torch.allclose(seen[0].sum(-1), torch.ones(()), atol=1e-6)

@@ -120,6 +120,11 @@ class Attention(nn.Module):
         """
         B, H, m, d = q.shape
         n_keys, H_kv = k.shape[2], self.n_kv_head
+        if m == 1 and window is None:  # a decode step: one query row sees every key
+            scores = (q.reshape(B, H_kv, -1, d) @ k.transpose(-1, -2)).view(B, H, 1, n_keys).mul_(self.scale)
+            scores = self.hook_attn_scores(scores)
+            pattern = self.hook_pattern(torch.softmax(scores, dim=-1))
+            return (pattern.view(B, H_kv, -1, n_keys) @ v).view(B, H, 1, d)
         scores, pattern, o = q.new_empty((B, H, m, n_keys)), q.new_empty((B, H, m, n_keys)), q.new_empty((B, H, m, d))
         for r0 in range(0, m, _ROW_BLOCK):
             r1 = min(m, r0 + _ROW_BLOCK)

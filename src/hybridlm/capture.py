@@ -49,24 +49,33 @@ class TrajectoryRecorder:
         self.index: dict[str, str] = {}
         self._buffer_bytes = 0
         self._fired: dict[str, int] = {}
+        self._last_pos: tuple | None = None
         self._ctx = None
 
     # ------------------------------------------------------------------ hooks
     def _keep(self, x: torch.Tensor, hook: HookPoint) -> None:
-        pos = hook.ctx.pos
-        i = self._fired[hook.name] = self._fired.get(hook.name, -1) + 1
-        dim = 2 if x.dim() == 4 and hook.name.endswith(("hook_pattern", "hook_attn_scores")) else 1
+        name, pos = hook.name, hook.ctx.pos
+        i = self._fired[name] = self._fired.get(name, -1) + 1
         if self.positions is not None:
+            dim = 2 if x.dim() == 4 and name.endswith(("hook_pattern", "hook_attn_scores")) else 1
             rows = torch.isin(pos, self.positions.to(pos.device)).nonzero().flatten()
             if rows.numel() == 0:
                 return
-            x, pos = x.index_select(dim, rows), pos[rows]
-        key = f"{hook.name}@{i}"
+            x, pos_record = x.index_select(dim, rows), _own_copy(pos[rows])
+        else:
+            pos_record = self._positions_of(pos)
+        key = f"{name}@{i}"
         self.records[key] = _own_copy(x)
-        self.records[f"{key}:pos"] = _own_copy(pos)
+        self.records[key + ":pos"] = pos_record
         self._buffer_bytes += x.numel() * x.element_size()
         if self.out is not None and self._buffer_bytes >= self.shard_bytes:
             self.flush()
+
+    def _positions_of(self, pos: torch.Tensor) -> torch.Tensor:
+        """One copy of `pos` per forward call, shared by the records of that call."""
+        if self._last_pos is None or self._last_pos[0] is not pos:
+            self._last_pos = (pos, _own_copy(pos))
+        return self._last_pos[1]
 
     def __enter__(self) -> "TrajectoryRecorder":
         if self.out is not None:
