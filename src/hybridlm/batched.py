@@ -58,7 +58,7 @@ def generate_batch(
 def _run_group(model, runs, members, kernel, max_new_tokens, seeds, stop) -> None:
     start = time.perf_counter()
     x = model.init_state(torch.tensor([runs[b].prompt_ids for b in members]))
-    device = x.kv.device
+    device = x.device
     generators = [torch.Generator(device=device).manual_seed(seeds[b]) for b in members]
     active = list(members)  # row r of the state is sequence active[r]
     for t in range(1, max_new_tokens + 1):

@@ -54,7 +54,71 @@ class Block(nn.Module):
         return self.hook_resid_post(h + self.hook_mlp_out(self.mlp(self.ln2(h))))
 
 
-class DecoderLM(HookedModule):
+class StateSpaceForm:
+    """The state-space form of a language model (SPEC.md §3): x_0 = init_state(s),
+    x_{t+1} = F(x_t, w_{t+1}), z_t = G(x_t).
+
+    Shared by every family: a family provides `forward(ids, state, last_only=...)`, which
+    continues a state in place, and `empty_state(batch, capacity=...)`, which makes its
+    kind of state (`KVState` for attention, `ssm.SSMState` for recurrences).
+    """
+
+    def init_state(self, s, *, capacity: int | None = None):
+        """x_0: the state after prefilling the string(s) s ([n] or [B, n]); Π_T applied."""
+        ids = self._check_ids(s)
+        x = self.empty_state(ids.shape[0], capacity=capacity or ids.shape[1])
+        return self.F(x, ids)
+
+    @torch.no_grad()
+    def F(self, x, w):
+        """x_{t+1} = F(x_t, w): append the token(s) w ([B] or [B, m]), updating x in place.
+
+        When n + m would exceed T the state is rebuilt from Π_T(s ∘ w) by a fresh prefill:
+        dropping the oldest token changes every later row of the state (positions shift,
+        and each row depends on the whole prefix), so trimming is not exact.
+        The readout z = G(x) is refreshed.
+        """
+        w = torch.as_tensor(w, dtype=torch.long, device=x.device)
+        if w.dim() == 1:
+            w = w[None, :] if x.batch == 1 else w[:, None]
+        w = self._check_ids(w)
+        if w.shape[0] != x.batch:
+            raise InputError(f"state holds a batch of {x.batch} strings, got tokens for {w.shape[0]}")
+        T = self.config.n_ctx
+        if x.n + w.shape[1] > T:
+            s = torch.cat([x.tokens, w], dim=1)[:, -T:]  # Π_T(s ∘ w), row by row
+            x.reset()
+            x.rebuilds += 1
+            w = s
+        x.logits = self(w, x, last_only=True)[:, -1]
+        return x
+
+    @staticmethod
+    def G(x) -> torch.Tensor:
+        """z = G(x_t): the logits of the last position, [B, V]."""
+        if x.logits is None:
+            raise InputError("the state is empty: prefill a string first (model.init_state)")
+        return x.logits
+
+    def _check_ids(self, ids) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor):
+            ids = torch.as_tensor(ids, dtype=torch.long)
+        if ids.dtype != torch.long:
+            if ids.is_floating_point():
+                raise InputError(f"token ids must be integers, got a {ids.dtype} tensor")
+            ids = ids.long()
+        if ids.dim() == 1:
+            ids = ids[None, :]
+        if ids.dim() != 2:
+            raise InputError(f"token ids must have shape [B, n], got {tuple(ids.shape)}")
+        check_tokens(ids, self.config.vocab_size)
+        return ids.to(self.W_e.device)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+class DecoderLM(StateSpaceForm, HookedModule):
     """A decoder-only language model: logits = model(ids) for ids of shape [B, n]."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -153,70 +217,17 @@ class DecoderLM(HookedModule):
         return self.readout(h[:, -1:] if last_only else h)
 
     # ------------------------------------------------------------------ state-space form
-    def init_state(self, s, *, capacity: int | None = None) -> KVState:
-        """x_0: the state after prefilling the string(s) s ([n] or [B, n]); Π_T applied."""
-        ids = self._check_ids(s)
-        x = self.empty_state(ids.shape[0], capacity=capacity or ids.shape[1])
-        return self.F(x, ids)
-
     def empty_state(self, batch: int = 1, *, capacity: int = 64) -> KVState:
         p = self.W_e
         return KVState(self.config, batch, capacity=capacity, dtype=p.dtype, device=p.device)
 
-    @torch.no_grad()
-    def F(self, x: KVState, w) -> KVState:
-        """x_{t+1} = F(x_t, w): append the token(s) w ([B] or [B, m]), updating x in place.
-
-        When n + m would exceed T the state is rebuilt from Π_T(s ∘ w) by a fresh prefill:
-        with absolute positions every remaining row changes, so trimming is not exact.
-        The readout z = G(x) is refreshed.
-        """
-        w = torch.as_tensor(w, dtype=torch.long, device=x.kv.device)
-        if w.dim() == 1:
-            w = w[None, :] if x.batch == 1 else w[:, None]
-        w = self._check_ids(w)
-        if w.shape[0] != x.batch:
-            raise InputError(f"state holds a batch of {x.batch} strings, got tokens for {w.shape[0]}")
-        T = self.config.n_ctx
-        if x.n + w.shape[1] > T:
-            s = torch.cat([x.tokens, w], dim=1)[:, -T:]  # Π_T(s ∘ w), row by row
-            x.reset()
-            x.rebuilds += 1
-            w = s
-        x.logits = self(w, x, last_only=True)[:, -1]
-        return x
-
-    @staticmethod
-    def G(x: KVState) -> torch.Tensor:
-        """z = G(x_t): the logits of the last position, [B, V]."""
-        if x.logits is None:
-            raise InputError("the state is empty: prefill a string first (model.init_state)")
-        return x.logits
-
     # ------------------------------------------------------------------ helpers
-    def _check_ids(self, ids) -> torch.Tensor:
-        if not isinstance(ids, torch.Tensor):
-            ids = torch.as_tensor(ids, dtype=torch.long)
-        if ids.dtype != torch.long:
-            if ids.is_floating_point():
-                raise InputError(f"token ids must be integers, got a {ids.dtype} tensor")
-            ids = ids.long()
-        if ids.dim() == 1:
-            ids = ids[None, :]
-        if ids.dim() != 2:
-            raise InputError(f"token ids must have shape [B, n], got {tuple(ids.shape)}")
-        check_tokens(ids, self.config.vocab_size)
-        return ids.to(self.W_e.device)
-
     def _check_prefix(self, prefix: torch.Tensor) -> int:
         d = self.config.d_model
         if not isinstance(prefix, torch.Tensor) or prefix.dim() not in (2, 3) or prefix.shape[-1] != d:
             shape = tuple(prefix.shape) if isinstance(prefix, torch.Tensor) else type(prefix).__name__
             raise InputError(f"soft prefix of shape {shape}: expected [p, d] or [B, p, d] with d = {d}")
         return prefix.shape[-2]
-
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
 
     def __repr__(self) -> str:
         c = self.config

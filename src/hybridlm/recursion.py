@@ -83,7 +83,7 @@ def token_clock(
         return
     start = time.perf_counter()
     x = state if state is not None else model.init_state(prompt_ids)
-    device = x.kv.device
+    device = x.device
     generator = torch.Generator(device=device).manual_seed(seed)
     for t in range(1, max_new_tokens + 1):
         z = model.G(x)
@@ -114,7 +114,7 @@ def _controlled_clock(model, prompt_ids, kernel, max_new_tokens, seed, stop, sta
         loop.check_horizon(x.n, max_new_tokens)
         ids = x.tokens[0][x.tokens[0] >= 0].tolist() if state is not None else model._check_ids(prompt_ids)[0].tolist()
         loop.start([[int(i) for i in ids]])
-        generator = torch.Generator(device=x.kv.device).manual_seed(seed)
+        generator = torch.Generator(device=x.device).manual_seed(seed)
         for t in range(1, max_new_tokens + 1):
             z, records = loop.step(t, model.G(x), x)
             w, logprob = kernel.sample_with_logprob(z, generator)

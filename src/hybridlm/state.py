@@ -52,6 +52,10 @@ class KVState:
         self._kv = buffer
         self._layers = [(buffer[layer, 0], buffer[layer, 1]) for layer in range(buffer.shape[0])]
 
+    @property
+    def device(self) -> torch.device:
+        return self._kv.device
+
     # ------------------------------------------------------------------ sizes
     @property
     def capacity(self) -> int:

@@ -343,7 +343,7 @@ class HybridAgent:
 
     def _device(self):
         x = self.x
-        return x.kv.device if hasattr(x, "kv") else "cpu"
+        return x.device if hasattr(x, "device") else "cpu"
 
     def _state_recorder(self):
         import contextlib

@@ -25,11 +25,10 @@ import math
 import torch
 from torch import nn
 
-from hybridlm.alphabet import check_tokens
 from hybridlm.errors import InputError
 from hybridlm.hooks import HookedModule, HookPoint
 from hybridlm.mlp import make_mlp
-from hybridlm.model import Block
+from hybridlm.model import Block, StateSpaceForm
 from hybridlm.norm import make_norm
 from hybridlm.ssm.config import StackConfig
 from hybridlm.ssm.rnn import ElmanRNN
@@ -75,7 +74,7 @@ class RecurrentBlock(nn.Module):
         return self.hook_resid_post(self.mix(h))
 
 
-class StackLM(HookedModule):
+class StackLM(StateSpaceForm, HookedModule):
     """A language model whose blocks are selective SSMs, RNNs and/or attention: logits = model(ids)."""
 
     def __init__(self, cfg: StackConfig) -> None:
@@ -134,58 +133,10 @@ class StackLM(HookedModule):
             state.commit(ids)
         return self.readout(h[:, -1:] if last_only else h)
 
-    # ------------------------------------------------------------------ state-space form
-    def init_state(self, s, *, capacity: int | None = None) -> SSMState:
-        """x_0: the state after prefilling the string(s) s ([n] or [B, n]); Π_T applied."""
-        ids = self._check_ids(s)
-        return self.F(self.empty_state(ids.shape[0], capacity=capacity or ids.shape[1]), ids)
-
+    # ------------------------------------------------------------------ state-space form (init_state, F, G: StateSpaceForm)
     def empty_state(self, batch: int = 1, *, capacity: int = 64) -> SSMState:
         p = self.W_e
         return SSMState(self.config, batch, capacity=capacity, dtype=p.dtype, device=p.device)
-
-    @torch.no_grad()
-    def F(self, x: SSMState, w) -> SSMState:
-        """x_{t+1} = F(x_t, w): append the token(s) w ([B] or [B, m]), updating x in place.
-
-        Past the horizon T the state is rebuilt from Π_T(s ∘ w): dropping the oldest token
-        changes every later c(k, i), so a recurrent state cannot be trimmed either.
-        """
-        w = torch.as_tensor(w, dtype=torch.long, device=x.device)
-        if w.dim() == 1:
-            w = w[None, :] if x.batch == 1 else w[:, None]
-        w = self._check_ids(w)
-        if w.shape[0] != x.batch:
-            raise InputError(f"state holds a batch of {x.batch} strings, got tokens for {w.shape[0]}")
-        T = self.config.n_ctx
-        if x.n + w.shape[1] > T:
-            s = torch.cat([x.tokens, w], dim=1)[:, -T:]
-            x.reset()
-            x.rebuilds += 1
-            w = s
-        x.logits = self(w, x, last_only=True)[:, -1]
-        return x
-
-    @staticmethod
-    def G(x: SSMState) -> torch.Tensor:
-        """z = G(x_t): the logits of the last position, [B, V]."""
-        if x.logits is None:
-            raise InputError("the state is empty: prefill a string first (model.init_state)")
-        return x.logits
-
-    # ------------------------------------------------------------------ helpers
-    def _check_ids(self, ids) -> torch.Tensor:
-        if isinstance(ids, torch.Tensor) and ids.is_floating_point():
-            raise InputError(f"token ids must be integers, got a {ids.dtype} tensor")
-        ids = check_tokens(ids, self.config.vocab_size)
-        if ids.dim() == 1:
-            ids = ids[None, :]
-        if ids.dim() != 2:
-            raise InputError(f"token ids must have shape [B, n], got {tuple(ids.shape)}")
-        return ids.to(self.W_e.device)
-
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
 
     def __repr__(self) -> str:
         c = self.config

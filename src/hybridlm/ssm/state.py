@@ -42,11 +42,6 @@ class SSMState:
     def device(self) -> torch.device:
         return self.tokens.device
 
-    @property
-    def kv(self) -> torch.Tensor:
-        """A tensor on the state's device (code written for `KVState` reads `x.kv.device`)."""
-        return self.attn.kv if self.attn is not None else next(t for t in self.c if t is not None)
-
     def _fixed(self) -> list[torch.Tensor]:
         return [t for t in self.c + self.conv if t is not None]
 
