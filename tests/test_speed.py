@@ -171,3 +171,21 @@ def test_a_hooked_decode_step_equals_the_fused_one(kv):
         out = m(ids[:, 29:], x.clone())
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
     assert seen[0].shape == (2, 4, 1, 30) and torch.allclose(seen[0].sum(-1), torch.ones(()), atol=1e-6)
+
+
+def test_int4_fallback_equals_the_fused_kernel(monkeypatch):
+    """Where the CPU kernel is missing (or on another device) the layer dequantises on the fly."""
+    import hybridlm.quantize as q
+
+    g = torch.Generator().manual_seed(3)
+    W, b, x = torch.randn(48, 64, generator=g), torch.randn(48, generator=g), torch.randn(4, 64, generator=g)
+    fused = Int4Linear(W, b)
+    monkeypatch.setattr(q, "_int4_kernel", lambda: False)
+    plain = Int4Linear(W, b)
+    assert fused.cpu_packed and not plain.cpu_packed
+    d, z = plain.scales_and_zeros.float().unbind(-1)  # [groups, out]
+    qv = plain.packed.float().view(48, 2, 32)
+    W_hat = ((qv - 8) * d.T[..., None] + z.T[..., None]).view(48, 64)  # the closed form of the grid
+    ref = x.bfloat16().float() @ W_hat.T + b
+    for layer in (fused, plain):  # both read bfloat16 inputs and round their products to bfloat16
+        assert torch.allclose(layer(x), ref, rtol=2e-2, atol=0.2)

@@ -31,10 +31,15 @@ def load_model(
     spec: str | os.PathLike | ModelConfig | None = None,
     *,
     seed: int = 0,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
 ) -> DecoderLM:
-    """Return a `DecoderLM` in eval mode, carrying its `config` and `tokenizer`."""
+    """Return a `DecoderLM` in eval mode, carrying its `config` and `tokenizer`.
+
+    dtype defaults to float32 (the exact path) on the CPU and to bfloat16 on a CUDA device.
+    """
+    if dtype is None:
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     model = _load(DEFAULT_MODEL if spec is None else spec, seed=seed, dtype=dtype)
     return model.to(device).eval().requires_grad_(False)
 

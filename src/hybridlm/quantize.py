@@ -75,8 +75,9 @@ class Int4Linear(nn.Module):
         lo, hi = w.amin(-1), w.amax(-1)
         d = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
         q = torch.round((w - lo[..., None]) / d[..., None]).clamp(0, 15).to(torch.int32).view(out, inp)
+        self.cpu_packed = _int4_kernel() and weight.device.type == "cpu"  # the fused kernel's own layout
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)
-                             if _int4_kernel() else q.to(torch.uint8))
+                             if self.cpu_packed else q.to(torch.uint8))
         scales_and_zeros = torch.stack([d, lo + 8 * d], dim=-1).transpose(0, 1).contiguous()  # [groups, out, 2]
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(_MATMUL_DTYPE))
         self.register_buffer("bias", None if bias is None else bias.detach().float())
@@ -88,7 +89,9 @@ class Int4Linear(nn.Module):
         return self.product(eye).float().T
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        if _int4_kernel() and x.device.type == "cpu":
+        if self.cpu_packed:
+            if x.device.type != "cpu":
+                raise InputError("this int4 layer was packed for the CPU kernel: quantise after moving the model")
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_zeros)
         d, z = self.scales_and_zeros.unbind(-1)  # [groups, out]
         q = self.packed.to(x.dtype).view(self.out_features, -1, self.group)
