@@ -69,9 +69,18 @@ def plot_sphere_trajectory(
 
     if title:
         fig.suptitle(title)
+    return save_figure(fig, path, dpi=dpi)
+
+
+def save_figure(fig, path: str | Path, *, dpi: int | None = None) -> Path:
+    """Write `fig` to `path` (creating its folder) and release it from pyplot; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
+    if getattr(fig.canvas, "manager", None) is not None:  # made by pyplot, which keeps it until closed
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
     return path
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from hybridlm.analysis.consensus import WEIGHTS, embed, first_below, looped, random_prompts
+from hybridlm.analysis.plots import save_figure
 from hybridlm.errors import InputError
 
 THRESHOLD = 0.05
@@ -184,8 +185,7 @@ def _plot(out: Path, summary: dict) -> None:
                  f"\n{summary['model_source']}", fontsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "consensus.png")
-    plt.close(fig)
+    save_figure(fig, out / "consensus.png")
 
 
 def _bar(total: int, done: int, enabled: bool):
@@ -215,8 +215,4 @@ def plot_compare(runs: dict[str, str | Path], out: str | Path, *, title: str = "
     ax.set_title(title, fontsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hybridlm.analysis.plots import save_figure
+
 
 def _figure(ncols: int, width: float = 5.2):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -34,10 +36,7 @@ def _depth_ticks(ax, depths) -> None:
 
 
 def _save(fig, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def plot_adjoint(summary: dict, path: str | Path) -> Path:

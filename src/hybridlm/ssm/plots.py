@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from hybridlm.analysis.plots import save_figure
 from hybridlm.ssm.model import StackLM
 
 
@@ -34,8 +35,4 @@ def plot_state_norms(model: StackLM, ids, out: str | Path) -> Path:
     ax.set_title(f"{model.source} · layers {model.config.layers}", fontsize=8)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
