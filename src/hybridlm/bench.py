@@ -114,13 +114,12 @@ def hybridlm_contender(model, name: str, *, hooks: str = "off", sections=("decod
     return Contender(name, decode, prefill, step_time, kv_bytes, sections=tuple(sections))
 
 
-def transformers_contender(spec, model, device: str) -> Contender | None:
+def transformers_contender(model, device: str) -> Contender | None:
     """transformers on the same float32 weights; None when it cannot be built here."""
     try:
-        import transformers  # noqa: F401
+        ref = _transformers_model(model)
     except ImportError:
         return None
-    ref = _transformers_model(spec, model)
     if ref is None:
         return None
     ref = ref.to(device).eval()
@@ -279,7 +278,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
                                                  sections=("decode", "prefill")))
     if cfg.references:
         rss = _rss_mb()
-        ref = transformers_contender(cfg.model, exact, device)
+        ref = transformers_contender(exact, device)
         if ref is not None:
             ref.rss_mb = _rss_mb() - rss
             contenders.append(ref)
@@ -435,18 +434,17 @@ def _text_ids(tok, vocab_size: int, n: int) -> list[int]:
     return ids[:n]
 
 
-def _transformers_model(spec, model):
-    from hybridlm.hub import save_hub_folder
+def _transformers_model(model):
+    """transformers' model of the same weights: from the GGUF file, or through a hub folder."""
+    from transformers import AutoModelForCausalLM
 
     path = getattr(model, "gguf_path", None)
     if path is not None:
-        from transformers import AutoModelForCausalLM
-
         return AutoModelForCausalLM.from_pretrained(Path(path).parent, gguf_file=Path(path).name,
                                                     torch_dtype=torch.float32)
     if model.config.family not in ("gpt2", "gpt-neo"):
         return None
-    from transformers import AutoModelForCausalLM
+    from hybridlm.hub import save_hub_folder
 
     with tempfile.TemporaryDirectory() as folder:
         save_hub_folder(model, folder)
