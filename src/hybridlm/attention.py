@@ -101,8 +101,10 @@ class Attention(nn.Module):
         gqa = self.n_kv_head != self.n_head
         if m == 1 and window is not None:  # a local decode step reads exactly the last w keys
             k, v = k[:, :, -window:], v[:, :, -window:]
-        if m == 1:  # one new query sees every key: no mask
-            return F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=gqa)
+        if m == 1:  # one new query sees every key: no mask, and the g heads of a group are g rows
+            B, H, _, d = q.shape
+            o = F.scaled_dot_product_attention(q.view(B, self.n_kv_head, H // self.n_kv_head, d), k, v, scale=self.scale)
+            return o.view(B, H, 1, d)
         if m == n_keys and window is None:  # prefill from the empty state: the plain causal mask M_n
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
         return F.scaled_dot_product_attention(
