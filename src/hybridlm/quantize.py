@@ -36,7 +36,7 @@ class Int8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        w = weight.detach().float()
+        w = weight.detach().float().contiguous()
         scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
         self.register_buffer("Q", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale.to(_MATMUL_DTYPE))
@@ -71,7 +71,7 @@ class Int4Linear(nn.Module):
         out, inp = weight.shape
         if inp % self.group:
             raise InputError(f"int4 needs input widths divisible by {self.group}, got {inp}")
-        w = weight.detach().float().view(out, inp // self.group, self.group)
+        w = weight.detach().float().contiguous().view(out, inp // self.group, self.group)
         lo, hi = w.amin(-1), w.amax(-1)
         d = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
         q = torch.round((w - lo[..., None]) / d[..., None]).clamp(0, 15).to(torch.int32).view(out, inp)
