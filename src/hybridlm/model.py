@@ -77,6 +77,11 @@ class StateSpaceForm:
         dropping the oldest token changes every later row of the state (positions shift,
         and each row depends on the whole prefix), so trimming is not exact.
         The readout z = G(x) is refreshed.
+
+        The step runs in inference mode (no autograd bookkeeping on the new tensors, which
+        makes a decode step's many small kernels cheaper); the state's buffers and the
+        readout it keeps are ordinary tensors, free to be read, changed or differentiated
+        afterwards.
         """
         w = torch.as_tensor(w, dtype=torch.long, device=x.device)
         if w.dim() == 1:
@@ -90,7 +95,9 @@ class StateSpaceForm:
             x.reset()
             x.rebuilds += 1
             w = s
-        x.logits = self(w, x, last_only=True)[:, -1]
+        with torch.inference_mode():
+            z = self(w, x, last_only=True)[:, -1]
+        x.logits = z.clone()
         return x
 
     @staticmethod

@@ -20,8 +20,13 @@ from hybridlm.config import ModelConfig
 
 _MIN_CAPACITY = 64
 
+# The buffers are made outside inference mode even when F (which runs in it) grows them, so a
+# state stays an ordinary tensor that any later call, with or without autograd, may update.
+_ordinary = torch.inference_mode(False)
+
 
 class KVState:
+    @_ordinary
     def __init__(
         self,
         cfg: ModelConfig,
@@ -81,6 +86,7 @@ class KVState:
         return self.kv[layer, 1, :, :, : self.n]
 
     # ------------------------------------------------------------------ updates (used by F)
+    @_ordinary
     def reserve(self, m: int) -> None:
         """Make room for m more positions (m ≤ T − n)."""
         need = self.n + m
@@ -101,6 +107,7 @@ class KVState:
         V[:, :, self.n : end] = v
         return K[:, :, :end], V[:, :, :end]
 
+    @_ordinary
     def commit(self, w: torch.Tensor) -> None:
         """Record that the tokens w ([B, m]) entered the state."""
         self.tokens = torch.cat([self.tokens, w], dim=1)
@@ -111,6 +118,7 @@ class KVState:
         self.tokens = self.tokens[:, :0]
         self.logits = None
 
+    @_ordinary
     def select(self, rows: torch.Tensor | list[int]) -> None:
         """Keep only the sequences `rows` of the batch (in that order), in place."""
         rows = torch.as_tensor(rows, dtype=torch.long, device=self.kv.device)
@@ -120,6 +128,7 @@ class KVState:
         self.batch = int(rows.numel())
 
     # ------------------------------------------------------------------ copies
+    @_ordinary
     def clone(self) -> "KVState":
         """An independent copy: F updates a state in place, so keep x_t with x.clone()."""
         other = KVState.__new__(KVState)

@@ -70,8 +70,10 @@ class SSMState:
             self.attn.commit(w)
 
     def reset(self) -> None:
-        for t in self._fixed():
-            t.zero_()
+        # fresh zeros, not zero_(): the blocks replace c and conv each step (in F, under
+        # inference mode), so these tensors are not updated in place anywhere
+        self.c = [None if t is None else torch.zeros_like(t) for t in self.c]
+        self.conv = [None if t is None else torch.zeros_like(t) for t in self.conv]
         self.n = 0
         self.tokens = self.tokens[:, :0]
         self.logits = None
