@@ -1,11 +1,8 @@
 """hybridlm: decoder-only language models as explicit hybrid dynamical systems."""
 
-import os
+from hybridlm.memory import configure_from_env
 
-# Large tensors (weights, KV states, recorded trajectories) on transparent huge pages: fewer
-# TLB misses while a decode step streams the weights, fewer page faults while a recording
-# allocates. PyTorch reads this at its first large allocation; set it to 0 to opt out.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+configure_from_env()  # huge pages for large tensors; freed memory kept warm (see hybridlm.memory)
 
 from hybridlm.alphabet import concat, selection_P, selection_U, truncate
 from hybridlm.config import PRESETS, ModelConfig

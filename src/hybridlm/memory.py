@@ -1,0 +1,40 @@
+"""Process memory settings that make repeated forward passes and recordings cheap.
+
+A forward pass of 512 tokens allocates and frees hundreds of megabytes of activations, and a
+recording of every activation keeps about a gigabyte alive until it is dropped. glibc hands
+freed blocks above its mmap threshold, and the free top of its heap, back to the kernel; the
+next pass then pays a page fault (and, under a hypervisor, often a host fault) for every page
+again, which costs more than the arithmetic of the pass. `keep_freed_memory` raises the mmap
+threshold to glibc's ceiling (32 MiB) and the trim threshold out of reach, so freed pages stay
+in the process and are reused warm. The price: the resident size stays at its peak.
+
+`hybridlm` calls it once at import unless HYBRIDLM_KEEP_FREED_MEMORY=0; it does nothing where
+the C library has no `mallopt` (not glibc).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers
+_MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's largest accepted mmap threshold on 64-bit
+_TRIM_NEVER = 2**31 - 1
+
+
+def keep_freed_memory() -> bool:
+    """Keep freed heap memory in the process; True when the C library accepted it."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_NEVER))
+
+
+def configure_from_env() -> None:
+    # Large tensors (weights, KV states, recorded trajectories) on transparent huge pages:
+    # fewer TLB misses while a decode step streams the weights, fewer page faults while a
+    # recording allocates. PyTorch reads this at its first large allocation; 0 opts out.
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    if os.environ.get("HYBRIDLM_KEEP_FREED_MEMORY", "1") != "0":
+        keep_freed_memory()
