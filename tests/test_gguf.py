@@ -378,7 +378,7 @@ def test_block_dequantisation_matches_the_closed_form(tmp_path, kind):
     stored = gguf.quants.quantize(x, kind)
     tensors["blk.0.ffn_up.weight"] = stored
     write_gguf(tmp_path / "q.gguf", tensors, types={"blk.0.ffn_up.weight": kind})
-    loaded = load_gguf_model(tmp_path / "q.gguf").blocks[0].mlp.W_up.weight.detach().numpy()
+    loaded = load_gguf_model(tmp_path / "q.gguf").blocks[0].mlp.W_up.T.detach().numpy()
     block_bytes = gguf.GGML_QUANT_SIZES[kind][1]
     expected = closed_form(stored.reshape(-1, block_bytes), kind).reshape(x.shape)
     np.testing.assert_array_equal(loaded, expected)
@@ -392,7 +392,7 @@ def test_other_quantisable_types_match_gguf(tmp_path, kind):
     stored = gguf.quants.quantize(tensors["blk.0.ffn_gate.weight"], kind)
     tensors["blk.0.ffn_gate.weight"] = stored
     write_gguf(tmp_path / "q.gguf", tensors, types={"blk.0.ffn_gate.weight": kind})
-    loaded = load_gguf_model(tmp_path / "q.gguf").blocks[0].mlp.W_gate.weight.detach().numpy()
+    loaded = load_gguf_model(tmp_path / "q.gguf").blocks[0].mlp.W_gate.T.detach().numpy()
     np.testing.assert_array_equal(loaded, gguf.quants.dequantize(stored, kind).reshape(D_MLP, D))
 
 
@@ -412,7 +412,7 @@ def test_k_quants_match_gguf(tmp_path, kind):
     tensors = tiny_tensors()
     tensors["blk.0.ffn_up.weight"] = stored
     write_gguf(tmp_path / "k.gguf", tensors, types={"blk.0.ffn_up.weight": kind})
-    loaded = load_gguf_model(tmp_path / "k.gguf").blocks[0].mlp.W_up.weight.detach().numpy()
+    loaded = load_gguf_model(tmp_path / "k.gguf").blocks[0].mlp.W_up.T.detach().numpy()
     expected = gguf.quants.dequantize(stored, kind).reshape(D_MLP, D)
     assert np.isfinite(expected).all()
     np.testing.assert_array_equal(loaded, expected)
@@ -473,7 +473,7 @@ def test_corrupt_cache_is_rebuilt(tmp_path):
         cached.write_bytes(damage)
         with pytest.warns(UserWarning, match="rebuilding"):
             again = load_gguf_model(tmp_path / "tiny.gguf")
-        assert torch.equal(again.blocks[0].mlp.W_up.weight, first.blocks[0].mlp.W_up.weight)
+        assert torch.equal(again.blocks[0].mlp.W_up, first.blocks[0].mlp.W_up)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert gguf_file.load_cached(cached) is not None  # rewritten, readable

