@@ -189,3 +189,43 @@ def test_int4_fallback_equals_the_fused_kernel(monkeypatch):
     ref = x.bfloat16().float() @ W_hat.T + b
     for layer in (fused, plain):  # both read bfloat16 inputs and round their products to bfloat16
         assert torch.allclose(layer(x), ref, rtol=2e-2, atol=0.2)
+
+
+# ---------------------------------------------------------------------- the decode path
+@pytest.mark.parametrize("kv", [4, 2, 1])
+def test_decode_steps_equal_the_recomputed_map(kv):
+    """A decode step (the g query heads of a key/value group read as g rows of one SDPA call)
+    gives the logits of the full forward on the whole string."""
+    m = tiny(n_kv_head=kv)
+    ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(kv))
+    x = m.init_state(ids[:, :30])
+    for i in range(30, 40):
+        m.F(x, ids[:, i])
+        assert torch.allclose(m.G(x), m(ids[:, : i + 1])[:, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_step_in_inference_mode_leaves_ordinary_tensors():
+    """F runs in inference mode, yet its state and readout can be updated and differentiated later."""
+    m = tiny()
+    x = m.init_state(torch.arange(1, 12))
+    m.F(x, [5])
+    assert not x.kv.is_inference() and not x.tokens.is_inference() and not m.G(x).is_inference()
+    m.G(x).add_(1.0)  # in place, outside inference mode
+    with torch.no_grad():
+        m(torch.tensor([[7]]), x)  # the state's buffers are written outside inference mode
+    assert x.n == 13
+    prefix = torch.zeros(2, m.config.d_model, requires_grad=True)
+    m(torch.tensor([[7, 8]]), prefix=prefix).sum().backward()  # and autograd still works afterwards
+    assert prefix.grad is not None and torch.isfinite(prefix.grad).all()
+
+
+def test_column_major_weights_are_the_same_map():
+    m = tiny()
+    W = m.blocks[0].attn.W_qkv.weight
+    assert W.stride() == (1, W.shape[0])  # loaded column-major
+    ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(0))
+    ref = m(ids)
+    for module in m.modules():
+        if hasattr(module, "weight") and isinstance(module.weight, torch.nn.Parameter) and module.weight.dim() == 2:
+            module.weight.data = module.weight.data.contiguous()
+    assert torch.allclose(m(ids), ref, atol=1e-6, rtol=1e-5)

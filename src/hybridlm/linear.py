@@ -18,7 +18,8 @@ class Linear(nn.Linear):
 def column_major(model: nn.Module) -> nn.Module:
     """Store every `Linear` weight W ∈ ℝ^{out×in} column by column (W is then a transposed
     view of a contiguous Wᵀ). The map is unchanged; x Wᵀ then reads Wᵀ row by row, which
-    the CPU's matrix-vector kernels stream about 10 % faster during decoding.
+    the CPU's matrix-vector kernels stream 5–10 % faster during decoding (measured on 30 layers
+    of SmolLM2-shaped matrices).
     """
     for module in model.modules():
         if isinstance(module, Linear) and module.weight.is_contiguous() and module.weight.dim() == 2:
