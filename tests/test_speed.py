@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridlm import Kernel, ModelConfig, load_model, token_clock
+from hybridlm import attention
 from hybridlm.batched import generate_batch
 from hybridlm.bench import _text_ids
 from hybridlm.cli import cli
@@ -94,18 +95,23 @@ def test_batched_generation_rejects_bad_input():
 
 
 # ---------------------------------------------------------------------- explicit attention
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(n=st.integers(130, 300), start=st.integers(0, 40), window=st.sampled_from([None, 50]),
-       kv=st.sampled_from([4, 2, 1]))
-def test_explicit_attention_equals_fused(n, start, window, kv):
-    """The blocked explicit path (hooks on the pattern) and SDPA give the same logits."""
+       kv=st.sampled_from([4, 2, 1]), one_block=st.sampled_from([0, 512]))
+def test_explicit_attention_equals_fused(n, start, window, kv, one_block):
+    """The explicit path (hooks on the pattern), in row blocks or as one block, and SDPA
+    give the same logits."""
     m = tiny(n_kv_head=kv, attention_layers=["global", "local"], local_window=window or 512)
     ids = torch.randint(0, 300, (1, start + n), generator=torch.Generator().manual_seed(n))
     x = m.init_state(ids[:, :start]) if start else None
     ref = m(ids[:, start:], x.clone() if x is not None else None)
     seen = {}
-    with m.hooks({"blocks.1.attn.hook_pattern": lambda a, h: seen.setdefault("A", a)}):
-        out = m(ids[:, start:], x.clone() if x is not None else None)
+    saved, attention._ONE_BLOCK = attention._ONE_BLOCK, one_block
+    try:
+        with m.hooks({"blocks.1.attn.hook_pattern": lambda a, h: seen.setdefault("A", a)}):
+            out = m(ids[:, start:], x.clone() if x is not None else None)
+    finally:
+        attention._ONE_BLOCK = saved
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
     A = seen["A"]
     assert torch.allclose(A.sum(-1), torch.ones(()), atol=1e-5)
