@@ -116,20 +116,17 @@ class Attention(nn.Module):
 
         Beyond `_ONE_BLOCK` rows the queries are taken in blocks of rows, and each block reads
         only the keys up to its last position: the entries above the diagonal are −∞ in S and
-        0 in A without being computed, which halves the work of a long prefill. The g = N_h/N_kv query heads that share
-        a key/value head are stacked as g·m query rows against that head's keys, so K and V
-        are never repeated. A hook that replaces S or A gets A or O recomputed from it.
+        0 in A without being computed, which halves the work of a long prefill. The
+        g = N_h/N_kv query heads that share a key/value head are stacked as g·m query rows
+        against that head's keys, so K and V are never repeated. A hook that replaces S or A
+        gets A or O recomputed from it.
         """
         B, H, m, d = q.shape
         n_keys, H_kv = k.shape[2], self.n_kv_head
-        if m == 1 and window is None:  # a decode step: one query row sees every key
-            scores = (q.reshape(B, H_kv, -1, d) @ k.transpose(-1, -2)).view(B, H, 1, n_keys).mul_(self.scale)
-            scores = self.hook_attn_scores(scores)
-            pattern = self.hook_pattern(torch.softmax(scores, dim=-1))
-            return (pattern.view(B, H_kv, -1, n_keys) @ v).view(B, H, 1, d)
         if m <= _ONE_BLOCK:  # few rows: one block, S, A and O formed where they live, no copies
-            scores = (q.reshape(B, H_kv, -1, d) @ k.transpose(-1, -2)).view(B, H, m, n_keys)
-            scores.mul_(self.scale).masked_fill_(~causal_mask(pos, n_keys, window), float("-inf"))
+            scores = (q.reshape(B, H_kv, -1, d) @ k.transpose(-1, -2)).view(B, H, m, n_keys).mul_(self.scale)
+            if m > 1 or window is not None:  # (a decode step's one query row sees every key)
+                scores.masked_fill_(~causal_mask(pos, n_keys, window), float("-inf"))
             pattern = torch.softmax(scores, dim=-1)
             o = (pattern.view(B, H_kv, -1, n_keys) @ v).view(B, H, m, d)
             return self._hooked(scores, pattern, o, v)
