@@ -271,20 +271,21 @@ def weights_from_tensors(tensors, cfg: ModelConfig) -> Weights:
         else:
             raise WeightsError(f"tensor {name!r} has no place in a Llama model")
     for layer in range(cfg.n_layer):
-        try:
-            q, k, v = (fused.pop((layer, part)) for part in QKV_TENSORS)
-        except KeyError as exc:
-            raise WeightsError(f"block {layer} lacks the tensor blk.{layer}.{exc.args[0][1]}") from None
+        q, k, v = _pop_parts(fused, layer, QKV_TENSORS)
         q, k = unpermute_rotary(q, cfg.n_head), unpermute_rotary(k, cfg.n_kv_head)
         weights[f"blocks.{layer}.attn.W_qkv.weight"] = torch.cat([q, k, v], dim=0)
-        try:
-            gate, up = (fused.pop((layer, part)) for part in GATE_UP_TENSORS)
-        except KeyError as exc:
-            raise WeightsError(f"block {layer} lacks the tensor blk.{layer}.{exc.args[0][1]}") from None
-        weights[f"blocks.{layer}.mlp.W_gate_up.weight"] = torch.cat([gate, up], dim=0)
+        weights[f"blocks.{layer}.mlp.W_gate_up.weight"] = torch.cat(_pop_parts(fused, layer, GATE_UP_TENSORS), dim=0)
     if fused:
         raise WeightsError(f"attention or MLP tensors of blocks beyond L={cfg.n_layer}: {sorted(fused)[:3]}")
     return weights
+
+
+def _pop_parts(fused: dict, layer: int, parts: tuple[str, ...]) -> list[torch.Tensor]:
+    """The tensors `parts` of block `layer`, removed from `fused`; a missing one is named."""
+    try:
+        return [fused.pop((layer, part)) for part in parts]
+    except KeyError as exc:
+        raise WeightsError(f"block {layer} lacks the tensor blk.{layer}.{exc.args[0][1]}") from None
 
 
 def split_block_name(name: str) -> tuple[int, str]:
