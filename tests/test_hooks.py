@@ -70,3 +70,27 @@ def test_hook_context_gives_positions_during_decode():
         m.F(x, [4])
         m.F(x, [5])
     assert seen == [[3], [4]]
+
+
+def test_rmsnorm_is_transformers_bit_for_bit_with_or_without_its_hook():
+    """One path for RMSNorm: the same bits as transformers' LlamaRMSNorm in float32 and
+    bfloat16, and attaching a hook to its normalized state changes nothing."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from hybridlm.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    ours, ref = RMSNorm(48, 1e-5), LlamaRMSNorm(48, 1e-5)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(48, generator=g))
+        ref.weight.copy_(ours.weight)
+    h = 3 * torch.randn(2, 5, 48, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        ours.to(dtype), ref.to(dtype)
+        x = h.to(dtype)
+        plain = ours(x)
+        ours.hook_normalized.fns.append(lambda t, hook: None)
+        hooked = ours(x)
+        ours.hook_normalized.fns.clear()
+        assert plain.dtype == dtype
+        assert torch.equal(plain, ref(x)) and torch.equal(hooked, plain)

@@ -5,7 +5,10 @@ seed 000). Before the affine part it maps onto the sphere {x : Σx_j = 0, ‖x�
 RMSNorm drops the centring and the bias: γ ⊙ h / sqrt(mean h_j² + ε).
 
 `hook_normalized` sees the state before the affine part (the point on the sphere).
-With no hook attached the fused kernel runs.
+With no hook attached LayerNorm runs the fused kernel. RMSNorm has one written-out path,
+hooked or not, so attaching a hook never changes its numbers; it takes the mean square in
+float32 as `transformers` does (the same bits in float32 and bfloat16), and costs what
+PyTorch's `rms_norm` costs on the CPU, which composes the same operations.
 """
 
 from __future__ import annotations
@@ -41,10 +44,9 @@ class RMSNorm(nn.Module):
         self.hook_normalized = HookPoint()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if not self.hook_normalized.active:
-            return F.rms_norm(h, h.shape[-1:], self.weight, self.eps)
-        x = self.hook_normalized(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
-        return self.weight * x
+        h32 = h.float()  # (as transformers does: the mean square in float32 whatever the dtype)
+        inv_rms = (h32 * h32).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        return self.weight * self.hook_normalized((h32 * inv_rms).to(h.dtype))
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
