@@ -46,3 +46,49 @@ def test_streaming_to_shards_round_trips(tmp_path):
     on_disk = load_trajectory(tmp_path)
     assert on_disk.keys() == in_memory.keys()
     assert all(torch.equal(on_disk[k], in_memory[k]) for k in in_memory)
+
+
+def _models_of_every_family():
+    base = ModelConfig(vocab_size=100, n_ctx=48, d_model=16, n_layer=2, n_head=4, eos_token_id=None)
+    yield "gpt2", load_model(base, seed=4)
+    yield "llama", load_model(base.replace(norm="rmsnorm", positions="rotary", mlp="swiglu", n_kv_head=2,
+                                           attn_bias=False, attn_out_bias=False, mlp_bias=False), seed=4)
+    yield "gpt-neo", load_model(base.replace(attention_layers=("global", "local"), local_window=3), seed=4)
+    from hybridlm.ssm import StackConfig, random_stack
+
+    for layers in ("SRA", "SSS"):
+        yield layers, random_stack(StackConfig(layers=layers, vocab_size=100, n_ctx=48, d_model=16, n_head=4,
+                                               d_state=4, eos_token_id=None), seed=3)
+
+
+def test_no_family_writes_into_a_state_after_its_hook_point():
+    """The recorder keeps states without copying them; that is sound only if no model
+    writes into a tensor (or the storage it views) after handing it to a hook point.
+    Version counters see every in-place write, so they must not move after the hook."""
+    for family, m in _models_of_every_family():
+        seen = []
+
+        def note(x, hook):
+            if not x.is_inference():  # (F's own step runs in inference mode, which keeps no versions)
+                seen.append((hook.name, x, x._version))
+
+        with m.hooks([(n, note) for n in m.hook_points]), torch.no_grad():
+            m(torch.randint(0, 100, (2, 9)))  # a prefill
+            x = m.init_state([1, 2, 3])
+            m.F(x, [4])
+            m(torch.tensor([[5]]), x)  # (no_grad, unlike inference mode, keeps versions)
+        assert len(seen) > 20, family
+        moved = [name for name, t, version in seen if t._version != version]
+        assert not moved, f"{family}: written after the hook: {moved}"
+
+
+def test_records_share_storage_only_when_compact():
+    m = small()
+    ids = torch.randint(0, 100, (1, 12))
+    logits, rec = run_with_trace(m, ids)
+    _, cache = m.run_with_cache(ids)
+    for name, value in cache.items():  # the records hold the very values, shared or copied
+        assert torch.equal(rec[f"{name}@0"], value), name
+    for key, value in rec.items():
+        if value._base is not None:
+            assert 2 * value.numel() >= value._base.numel(), key

@@ -136,12 +136,21 @@ def run_with_trace(model, ids, names=lambda n: True, *, layers=None, positions=N
 
 
 def _own_copy(x: torch.Tensor) -> torch.Tensor:
-    """x on the CPU, detached; copied only when it is a view into another tensor's storage
-    (the model builds each state afresh and never writes into it afterwards)."""
+    """x on the CPU, detached, kept without a copy where that is safe and compact.
+
+    The model never writes into a tensor after handing it to a hook point (a test checks
+    the version counters of every family), so a record may share storage with the
+    model's own tensors. A view is copied only when it is under half of the storage it
+    keeps alive (k and v of a fused q|k|v product, one row of a prefill), so a record
+    never holds more than twice its own bytes; q beside them, gate and up of the fused
+    SwiGLU product, the scores and z are kept as they are.
+    """
     x = x.detach()
     if x.device.type != "cpu":
         return x.cpu()
-    return x.clone() if x._base is not None else x
+    if x._base is not None and 2 * x.numel() < x._base.numel():
+        return x.clone()
+    return x
 
 
 def _layer(name: str) -> int | None:
