@@ -17,6 +17,7 @@ from hybridlm.bench import _text_ids
 from hybridlm.cli import cli
 from hybridlm.errors import InputError
 from hybridlm.hooks import without_hook_points
+from hybridlm.linear import Linear
 from hybridlm.quantize import Int4Linear, Int8Linear, agreement, set_precision
 
 
@@ -227,11 +228,13 @@ def test_a_step_in_inference_mode_leaves_ordinary_tensors():
 
 def test_column_major_weights_are_the_same_map():
     m = tiny()
-    W = m.blocks[0].attn.W_qkv.weight
-    assert W.stride() == (1, W.shape[0])  # loaded column-major
+    for module in m.modules():  # every affine map's W is loaded column-major, with no second copy
+        if isinstance(module, Linear):
+            W = module.weight
+            assert W.stride() == (1, W.shape[0]) and W.t().is_contiguous()
     ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(0))
     ref = m(ids)
     for module in m.modules():
-        if hasattr(module, "weight") and isinstance(module.weight, torch.nn.Parameter) and module.weight.dim() == 2:
+        if isinstance(module, Linear):
             module.weight.data = module.weight.data.contiguous()
     assert torch.allclose(m(ids), ref, atol=1e-6, rtol=1e-5)

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from hybridlm.config import PRESETS, ModelConfig
-from hybridlm.linear import column_major
 from hybridlm.errors import ModelNotFoundError
 from hybridlm.model import DecoderLM, init_weights
 from hybridlm.tokenizer import gpt2_tokenizer
@@ -42,7 +41,7 @@ def load_model(
     if dtype is None:
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     model = _load(DEFAULT_MODEL if spec is None else spec, seed=seed, dtype=dtype)
-    return column_major(model.to(device)).eval().requires_grad_(False)
+    return model.to(device).eval().requires_grad_(False)
 
 
 def _load(spec, *, seed: int, dtype: torch.dtype) -> DecoderLM:
