@@ -94,3 +94,21 @@ def test_rmsnorm_is_transformers_bit_for_bit_with_or_without_its_hook():
         ours.hook_normalized.fns.clear()
         assert plain.dtype == dtype
         assert torch.equal(plain, ref(x)) and torch.equal(hooked, plain)
+
+
+def test_parts_refuse_pytorch_module_hooks_and_the_model_keeps_them():
+    """The parts of the map are called straight into forward, so PyTorch's module hooks
+    could not fire on them: registering one is an error that points to the hook points.
+    The model itself is an ordinary module, whose hooks fire."""
+    import pytest
+
+    m = small()
+    for part in (m.blocks[0], m.blocks[0].attn, m.blocks[0].attn.W_qkv, m.blocks[0].ln1, m.blocks[0].mlp):
+        for register in (part.register_forward_hook, part.register_forward_pre_hook, part.register_full_backward_hook):
+            with pytest.raises(TypeError, match="hook point"):
+                register(lambda *args: None)
+    fired = []
+    handle = m.register_forward_hook(lambda module, args, out: fired.append(out.shape))
+    m(torch.randint(0, 120, (1, 5)))
+    handle.remove()
+    assert fired == [(1, 5, 120)]

@@ -25,16 +25,15 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from hybridlm.config import ModelConfig
-from hybridlm.hooks import HookPoint
+from hybridlm.hooks import DirectModule, HookPoint
 from hybridlm.linear import Linear
 from hybridlm.positions import Rotary
 from hybridlm.state import KVState
 
 
-class Attention(nn.Module):
+class Attention(DirectModule):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -82,14 +81,15 @@ class Attention(nn.Module):
         H, H_kv = self.n_head, self.n_kv_head
         heads = self.W_qkv(z).view(B, m, H + 2 * H_kv, self.d_head)  # [B, pos, head, d_k]
         q, k, v = heads.split([H, H_kv, H_kv], dim=2)
-        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        if rotary is not None:
-            q, k = rotary(q, pos), rotary(k, pos)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, head, pos, d_k]
+        q_in, k_in, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
+        if rotary is not None:  # q and k lie side by side in `heads`: one rotation for both
+            qk = heads[:, :, : H + H_kv] if q_in is q and k_in is k else torch.cat([q_in, k_in], dim=2)
+            q_in, k_in = rotary(qk, pos).split([H, H_kv], dim=2)
+        q, k, v = q_in.transpose(1, 2), k_in.transpose(1, 2), v.transpose(1, 2)  # [B, head, pos, d_k]
         if state is not None:
             k, v = state.write(self.layer, k, v)
         window = self.window if self.window is not None and k.shape[2] > self.window else None
-        if self.hook_attn_scores.active or self.hook_pattern.active:
+        if self.hook_attn_scores.fns or self.hook_pattern.fns:
             o = self._explicit(q, k, v, pos, window)
         else:
             o = self._fused(q, k, v, pos, window)

@@ -64,6 +64,31 @@ class HookPoint(nn.Module):
         return self.name
 
 
+class DirectModule(nn.Module):
+    """A part of the generative map (block, attention, norm, MLP, affine map, ...), called
+    straight into its `forward`.
+
+    `nn.Module.__call__` spends two Python frames and a dozen checks for PyTorch's module
+    hooks on every call; a decode step makes some 300 such calls, each after a
+    matrix-vector product has pushed the interpreter's state out of the caches. hybridlm
+    observes and intervenes through its hook points instead, so these modules refuse
+    PyTorch's module hooks with an error that says so, rather than silently skipping them.
+    (PyTorch's global module hooks are not called for them either.)
+    """
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError(
+            f"{type(self).__name__} is called without PyTorch's module hooks; attach a function to a "
+            "hook point instead, e.g. model.hooks({'blocks.0.hook_resid_post': fn}) (see model.hook_points)"
+        )
+
+    register_forward_hook = register_forward_pre_hook = _refuse
+    register_full_backward_hook = register_full_backward_pre_hook = register_backward_hook = _refuse
+
+
 class HookedModule(nn.Module):
     """Mixin for a model whose hook points are addressed by name."""
 

@@ -13,8 +13,10 @@ during decoding (measured on 30 layers of SmolLM2-shaped matrices).
 import torch
 from torch import nn
 
+from hybridlm.hooks import DirectModule
 
-class Linear(nn.Linear):
+
+class Linear(DirectModule, nn.Linear):
     def reset_parameters(self) -> None:
         w = self.weight
         self.weight = nn.Parameter(

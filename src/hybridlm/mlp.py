@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.config import ModelConfig
-from hybridlm.hooks import HookPoint
+from hybridlm.hooks import DirectModule, HookPoint
 from hybridlm.linear import Linear
 
 
-class GeluMLP(nn.Module):
+class GeluMLP(DirectModule):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.W_fc = Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
@@ -29,7 +29,7 @@ class GeluMLP(nn.Module):
         return self.W_proj(self.hook_post(F.gelu(pre, approximate="tanh")))
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(DirectModule):
     """The two input projections are one fused matrix W_gate_up = [W_gate; W_up] (one
     product per step, as W_qkv is for attention); `W_gate` and `W_up` give the per-equation
     views."""

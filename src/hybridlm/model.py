@@ -25,14 +25,14 @@ from hybridlm.alphabet import check_tokens, selection_P, selection_U, truncate
 from hybridlm.attention import Attention
 from hybridlm.config import ModelConfig
 from hybridlm.errors import InputError
-from hybridlm.hooks import HookedModule, HookPoint
+from hybridlm.hooks import DirectModule, HookedModule, HookPoint
 from hybridlm.mlp import make_mlp
 from hybridlm.norm import make_norm
 from hybridlm.positions import LearnedPositions, Rotary
 from hybridlm.state import KVState
 
 
-class Block(nn.Module):
+class Block(DirectModule):
     """Block 𝓑_ℓ: H⁽ℓ⁻¹⁾ ↦ H⁽ℓ⁾, pre-norm, two residual sublayers."""
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:

@@ -5,10 +5,11 @@ seed 000). Before the affine part it maps onto the sphere {x : Σx_j = 0, ‖x�
 RMSNorm drops the centring and the bias: γ ⊙ h / sqrt(mean h_j² + ε).
 
 `hook_normalized` sees the state before the affine part (the point on the sphere).
-With no hook attached LayerNorm runs the fused kernel. RMSNorm has one written-out path,
-hooked or not, so attaching a hook never changes its numbers; it takes the mean square in
-float32 as `transformers` does (the same bits in float32 and bfloat16), and costs what
-PyTorch's `rms_norm` costs on the CPU, which composes the same operations.
+With no hook attached LayerNorm runs the fused kernel. RMSNorm's written-out form takes
+the mean square in float32, as `transformers` does, and gives its bits in float32 and
+bfloat16; with no hook on a float32 state the fused `rms_norm` runs instead, one call that
+gives the same bits (in bfloat16 it rounds differently, so there the written-out form
+always runs). Attaching a hook never changes the numbers.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.config import ModelConfig
-from hybridlm.hooks import HookPoint
+from hybridlm.hooks import DirectModule, HookPoint
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(DirectModule):
     def __init__(self, d: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -36,7 +37,7 @@ class LayerNorm(nn.Module):
         return x * self.weight + self.bias
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(DirectModule):
     def __init__(self, d: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -44,6 +45,8 @@ class RMSNorm(nn.Module):
         self.hook_normalized = HookPoint()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if h.dtype == torch.float32 and not self.hook_normalized.fns:  # fused, the same bits
+            return F.rms_norm(h, h.shape[-1:], self.weight, self.eps)
         h32 = h.float()  # (as transformers does: the mean square in float32 whatever the dtype)
         inv_rms = (h32 * h32).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
         return self.weight * self.hook_normalized((h32 * inv_rms).to(h.dtype))

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from hybridlm.config import ModelConfig
-from hybridlm.hooks import HookPoint
+from hybridlm.hooks import DirectModule, HookPoint
 
 
-class LearnedPositions(nn.Module):
+class LearnedPositions(DirectModule):
     """P W_p: row `pos` of W_p ∈ ℝ^{T×d}."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -27,12 +27,13 @@ class LearnedPositions(nn.Module):
         return self.hook_pos_embed(self.W_p[pos])
 
 
-class Rotary(nn.Module):
+class Rotary(DirectModule):
     """Rotation of query/key coordinate pairs (j, j + d_k/2) by pos · θ_j.
 
-    x ↦ x cos θ + rot(x) sin θ with rot(x) = (−x_{d_k/2:}, x_{:d_k/2}), written as a roll of
-    x against a sine whose first half carries the sign. A forward pass passes one `pos`
-    tensor to every layer, so the phases at `pos` are gathered once and reused.
+    x ↦ x cos θ + rot(x) sin θ with rot(x) = (−x_{d_k/2:}, x_{:d_k/2}), written as a swap of
+    the two halves of x (one copy) against a sine whose first half carries the sign. A
+    forward pass passes one `pos` tensor to every layer, so the phases at `pos` are
+    gathered once and reused.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -55,4 +56,4 @@ class Rotary(nn.Module):
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Rotate x of shape [B, n, heads, d_k] at positions pos [n]."""
         cos, sin = self.phases(pos, x.dtype)
-        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+        return x * cos + x.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin

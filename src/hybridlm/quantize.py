@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from hybridlm.errors import InputError
+from hybridlm.hooks import DirectModule
 from hybridlm.linear import Linear
 
 PRECISIONS = ("float32", "bfloat16", "int8", "int4")
@@ -31,7 +32,7 @@ PRECISIONS = ("float32", "bfloat16", "int8", "int4")
 _MATMUL_DTYPE = torch.bfloat16  # what the quantised kernels read x as (their fast path)
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(DirectModule):
     """x ↦ (x Qᵀ) ⊙ s + b, Q int8 [out, in] with one scale per output channel s [out]."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -57,7 +58,7 @@ class Int8Linear(nn.Module):
         return _affine(self, x)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(DirectModule):
     """x ↦ x Ŵᵀ + b with Ŵ = d_g (q − 8) + z_g, q ∈ {0..15}, one (d, z) per group of 32 inputs.
 
     The groups are quantised from their min and max, as GGUF's Q4_1 does, so a tensor that
@@ -102,7 +103,7 @@ class Int4Linear(nn.Module):
         return _affine(self, x)
 
 
-class RefinedReadout(nn.Module):
+class RefinedReadout(DirectModule):
     """z = LN_f(h) W_uᵀ from int8 W_u, then made exact on the k most likely tokens.
 
     The int8 product ranks the vocabulary; the k leading rows are recomputed from the

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hybridlm.errors import InputError
-from hybridlm.hooks import HookedModule, HookPoint
+from hybridlm.hooks import DirectModule, HookedModule, HookPoint
 from hybridlm.mlp import make_mlp
 from hybridlm.model import Block, StateSpaceForm
 from hybridlm.norm import make_norm
@@ -38,7 +38,7 @@ from hybridlm.ssm.state import SSMState
 MIXERS = {"S": ("ssm", SelectiveSSM), "R": ("rnn", ElmanRNN)}
 
 
-class RecurrentBlock(nn.Module):
+class RecurrentBlock(DirectModule):
     """Block k with a recurrent mixer (S or R): H⁽ᵏ⁻¹⁾ ↦ H⁽ᵏ⁾."""
 
     def __init__(self, cfg: StackConfig, layer: int, kind: str) -> None:

@@ -12,14 +12,13 @@ B z is computed for all positions at once), which is what selective SSMs remove.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from hybridlm.hooks import HookPoint
+from hybridlm.hooks import DirectModule, HookPoint
 from hybridlm.linear import Linear
 from hybridlm.ssm.config import StackConfig
 
 
-class ElmanRNN(nn.Module):
+class ElmanRNN(DirectModule):
     def __init__(self, cfg: StackConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer

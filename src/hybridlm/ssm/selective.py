@@ -24,13 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlm.hooks import HookPoint
+from hybridlm.hooks import DirectModule, HookPoint
 from hybridlm.linear import Linear
 from hybridlm.ssm.config import StackConfig
 from hybridlm.ssm.scan import parallel_scan, step
 
 
-class SelectiveSSM(nn.Module):
+class SelectiveSSM(DirectModule):
     def __init__(self, cfg: StackConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
