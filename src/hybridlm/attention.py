@@ -80,11 +80,12 @@ class Attention(DirectModule):
         B, m, _ = z.shape
         H, H_kv = self.n_head, self.n_kv_head
         heads = self.W_qkv(z).view(B, m, H + 2 * H_kv, self.d_head)  # [B, pos, head, d_k]
-        q, k, v = heads.split([H, H_kv, H_kv], dim=2)
+        q, k, v = heads[:, :, :H], heads[:, :, H : H + H_kv], heads[:, :, H + H_kv :]
         q_in, k_in, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         if rotary is not None:  # q and k lie side by side in `heads`: one rotation for both
             qk = heads[:, :, : H + H_kv] if q_in is q and k_in is k else torch.cat([q_in, k_in], dim=2)
-            q_in, k_in = rotary(qk, pos).split([H, H_kv], dim=2)
+            qk = rotary(qk, pos)
+            q_in, k_in = qk[:, :, :H], qk[:, :, H:]
         q, k, v = q_in.transpose(1, 2), k_in.transpose(1, 2), v.transpose(1, 2)  # [B, head, pos, d_k]
         if state is not None:
             k, v = state.write(self.layer, k, v)

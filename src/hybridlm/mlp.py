@@ -53,7 +53,8 @@ class SwiGLU(DirectModule):
         return self.W_gate_up.weight[self.d_mlp :].T
 
     def forward(self, r: torch.Tensor) -> torch.Tensor:
-        gate, up = self.W_gate_up(r).split(self.d_mlp, dim=-1)
+        gate_up, d = self.W_gate_up(r), self.d_mlp
+        gate, up = gate_up[..., :d], gate_up[..., d:]  # (slices: cheaper than Tensor.split's Python wrapper)
         gate, up = self.hook_pre(gate), self.hook_pre_linear(up)
         return self.W_down(self.hook_post(F.silu(gate) * up))
 
