@@ -112,3 +112,16 @@ def test_parts_refuse_pytorch_module_hooks_and_the_model_keeps_them():
     m(torch.randint(0, 120, (1, 5)))
     handle.remove()
     assert fired == [(1, 5, 120)]
+
+
+def test_a_hook_that_replaces_q_or_k_is_rotated_as_the_fused_slice_would_be():
+    """q and k are rotated in one call on their shared slice of the q|k|v product; a hook
+    that hands back new tensors takes the other branch and must give the same map."""
+    m = small(norm="rmsnorm", positions="rotary", mlp="swiglu", n_kv_head=1, attn_bias=False, attn_out_bias=False)
+    ids = torch.randint(0, 120, (2, 7), generator=torch.Generator().manual_seed(1))
+    plain = m(ids)
+    for name in ("blocks.1.attn.hook_q", "blocks.1.attn.hook_k"):
+        with m.hooks({name: lambda x, hook: x.clone()}):
+            assert torch.equal(m(ids), plain)
+        with m.hooks({name: lambda x, hook: 2 * x}):
+            assert not torch.allclose(m(ids), plain)

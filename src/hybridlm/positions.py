@@ -56,4 +56,4 @@ class Rotary(DirectModule):
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Rotate x of shape [B, n, heads, d_k] at positions pos [n]."""
         cos, sin = self.phases(pos, x.dtype)
-        return x * cos + x.view(*x.shape[:-1], 2, -1).flip(-2).flatten(-2) * sin
+        return x * cos + x.reshape(*x.shape[:-1], 2, -1).flip(-2).flatten(-2) * sin
