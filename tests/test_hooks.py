@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from hybridlm import ModelConfig, load_model
@@ -100,8 +101,6 @@ def test_parts_refuse_pytorch_module_hooks_and_the_model_keeps_them():
     """The parts of the map are called straight into forward, so PyTorch's module hooks
     could not fire on them: registering one is an error that points to the hook points.
     The model itself is an ordinary module, whose hooks fire."""
-    import pytest
-
     m = small()
     for part in (m.blocks[0], m.blocks[0].attn, m.blocks[0].attn.W_qkv, m.blocks[0].ln1, m.blocks[0].mlp):
         for register in (part.register_forward_hook, part.register_forward_pre_hook, part.register_full_backward_hook):
