@@ -90,7 +90,7 @@ class Attention(DirectModule):
         if state is not None:
             k, v = state.write(self.layer, k, v)
         window = self.window if self.window is not None and k.shape[2] > self.window else None
-        if self.hook_attn_scores.fns or self.hook_pattern.fns:
+        if self.hook_attn_scores.active or self.hook_pattern.active:
             o = self._explicit(q, k, v, pos, window)
         else:
             o = self._fused(q, k, v, pos, window)

@@ -45,7 +45,7 @@ class RMSNorm(DirectModule):
         self.hook_normalized = HookPoint()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if h.dtype == torch.float32 and not self.hook_normalized.fns:  # fused, the same bits
+        if h.dtype == torch.float32 and not self.hook_normalized.active:  # fused, the same bits
             return F.rms_norm(h, h.shape[-1:], self.weight, self.eps)
         h32 = h.float()  # (as transformers does: the mean square in float32 whatever the dtype)
         inv_rms = (h32 * h32).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
