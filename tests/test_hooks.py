@@ -124,3 +124,77 @@ def test_a_hook_that_replaces_q_or_k_is_rotated_as_the_fused_slice_would_be():
             assert torch.equal(m(ids), plain)
         with m.hooks({name: lambda x, hook: 2 * x}):
             assert not torch.allclose(m(ids), plain)
+
+
+def _members_agree(model) -> None:
+    """Every part's submodules, parameters and buffers are plain attributes, the same objects
+    as in its nn.Module tables, and nothing stale is left behind."""
+    from hybridlm.hooks import DirectModule
+
+    parts = [p for p in model.modules() if isinstance(p, DirectModule)]
+    assert parts
+    for part in parts:
+        members = {**part._modules, **part._parameters, **part._buffers}
+        for name, value in members.items():
+            assert vars(part)[name] is value, (type(part).__name__, name)
+
+
+def test_members_of_the_parts_stay_plain_attributes_through_every_change():
+    """The parts keep their members in their instance dicts (no nn.Module.__getattr__ in the
+    step); assignment, deletion, dtype conversion, deepcopy, pickling and
+    torch.func.functional_call's swaps must all leave those copies right."""
+    import copy
+    import io
+
+    from hybridlm.linear import Linear
+
+    m = small(norm="rmsnorm", positions="rotary", mlp="swiglu", n_kv_head=1, attn_bias=False, attn_out_bias=False)
+    ids = torch.randint(0, 120, (1, 6), generator=torch.Generator().manual_seed(3))
+    plain = m(ids)
+    _members_agree(m)
+    attn = m.blocks[1].attn
+
+    # torch.func.functional_call swaps the parameters through the tables: the swapped
+    # weights must be the ones used, and the originals must come back afterwards.
+    doubled = {"blocks.1.attn.W_O.weight": 2 * attn.W_O.weight.detach()}
+    swapped = torch.func.functional_call(m, doubled, (ids,))
+    with torch.no_grad():
+        attn.W_O.weight.mul_(2)
+    assert torch.equal(swapped, m(ids))
+    with torch.no_grad():
+        attn.W_O.weight.div_(2)
+    assert torch.equal(m(ids), plain)
+    _members_agree(m)
+
+    # a new submodule or parameter by assignment; a deleted one is gone from both places
+    new_out = Linear(attn.W_O.in_features, attn.W_O.out_features, bias=False)
+    old_out, attn.W_O = attn.W_O, new_out
+    assert attn.W_O is new_out and not torch.equal(m(ids), plain)
+    attn.W_O = old_out
+    assert torch.equal(m(ids), plain)
+    norm = m.blocks[0].ln1
+    norm.weight = torch.nn.Parameter(norm.weight.detach().clone())
+    _members_agree(m)
+    del norm.weight
+    assert "weight" not in vars(norm)
+    norm.weight = torch.nn.Parameter(torch.ones(24))
+    _members_agree(m)
+
+    # .to() replaces buffers (the rotary phases) and may replace parameters
+    m.double()
+    assert m.rotary.cos.dtype == torch.float64 and m.blocks[0].attn.W_qkv.weight.dtype == torch.float64
+    _members_agree(m)
+    m.float()
+
+    # copies: each copy's attributes are its own members
+    for twin in (copy.deepcopy(m), _pickled(m, io)):
+        _members_agree(twin)
+        assert twin.blocks[0].attn.W_qkv is not m.blocks[0].attn.W_qkv
+        assert torch.equal(twin(ids), m(ids))
+
+
+def _pickled(model, io):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
