@@ -16,11 +16,17 @@ from torch import nn
 from hybridlm.hooks import DirectModule
 
 
+def column_major_zeros(rows: int, cols: int, **kwargs) -> torch.Tensor:
+    """A zero [rows, cols] matrix laid out column by column (the transpose of a contiguous
+    [cols, rows] one), so that x Wᵀ streams Wᵀ row by row."""
+    return torch.zeros(cols, rows, **kwargs).t()
+
+
 class Linear(DirectModule, nn.Linear):
     def reset_parameters(self) -> None:
         w = self.weight
         self.weight = nn.Parameter(
-            torch.zeros(w.shape[1], w.shape[0], dtype=w.dtype, device=w.device).t(), requires_grad=w.requires_grad
+            column_major_zeros(*w.shape, dtype=w.dtype, device=w.device), requires_grad=w.requires_grad
         )
         if self.bias is not None:
             nn.init.zeros_(self.bias)

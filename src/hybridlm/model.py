@@ -26,6 +26,7 @@ from hybridlm.attention import Attention
 from hybridlm.config import ModelConfig
 from hybridlm.errors import InputError
 from hybridlm.hooks import DirectModule, HookedModule, HookPoint
+from hybridlm.linear import column_major_zeros
 from hybridlm.mlp import make_mlp
 from hybridlm.norm import make_norm
 from hybridlm.positions import LearnedPositions, Rotary
@@ -131,13 +132,16 @@ class DecoderLM(StateSpaceForm, HookedModule):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.W_e = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.d_model))
+        # W_e and W_u column-major, like every affine map's W (see hybridlm.linear): the readout
+        # h W_eᵀ is the largest product of a decode step and streams 20-25 % faster this way;
+        # the embedding's row lookups become strided gathers, a few ms on a 512-token prefill.
+        self.W_e = nn.Parameter(column_major_zeros(cfg.vocab_size, cfg.d_model))
         self.hook_embed = HookPoint()
         self.pos_embed = LearnedPositions(cfg) if cfg.positions == "learned" else None
         self.rotary = Rotary(cfg) if cfg.positions == "rotary" else None
         self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layer))
         self.ln_final = make_norm(cfg)
-        self.W_u = None if cfg.tie_embeddings else nn.Parameter(torch.zeros(cfg.vocab_size, cfg.d_model))
+        self.W_u = None if cfg.tie_embeddings else nn.Parameter(column_major_zeros(cfg.vocab_size, cfg.d_model))
         self.hook_logits = HookPoint()
         self.readout_map = None  # a reduced-precision W_u (hybridlm.quantize); None: exact
         self.precision = "float32"
@@ -217,8 +221,9 @@ class DecoderLM(StateSpaceForm, HookedModule):
         if state is not None:
             state.reserve(m)
         h = self.embed(ids, pos) if prefix is None else self.embed(ids, pos, prefix)
-        for block in self.blocks[:layers]:
-            h = block(h, pos, state, self.rotary)
+        rotary = self.rotary  # (read once; slicing a ModuleList builds a new one, so only when asked)
+        for block in self.blocks if layers is None else self.blocks[:layers]:
+            h = block(h, pos, state, rotary)
         if state is not None:
             state.commit(ids if prefix is None else torch.cat([ids.new_full((ids.shape[0], p), -1), ids], dim=1))
         return self.readout(h[:, -1:] if last_only else h)

@@ -27,6 +27,7 @@ from torch import nn
 
 from hybridlm.errors import InputError
 from hybridlm.hooks import DirectModule, HookedModule, HookPoint
+from hybridlm.linear import column_major_zeros
 from hybridlm.mlp import make_mlp
 from hybridlm.model import Block, StateSpaceForm
 from hybridlm.norm import make_norm
@@ -81,7 +82,7 @@ class StackLM(StateSpaceForm, HookedModule):
         super().__init__()
         self.config = cfg
         parts = cfg.parts()
-        self.W_e = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.d_model))
+        self.W_e = nn.Parameter(column_major_zeros(cfg.vocab_size, cfg.d_model))  # (as DecoderLM's)
         self.hook_embed = HookPoint()
         attention_index = iter(range(cfg.n_attention))
         self.blocks = nn.ModuleList(
