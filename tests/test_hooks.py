@@ -1,5 +1,7 @@
 """Named hook points: names, caching, replacement, and the sphere of LayerNorm."""
 
+import copy
+import io
 import math
 
 import pytest
@@ -143,9 +145,6 @@ def test_members_of_the_parts_stay_plain_attributes_through_every_change():
     """The parts keep their members in their instance dicts (no nn.Module.__getattr__ in the
     step); assignment, deletion, dtype conversion, deepcopy, pickling and
     torch.func.functional_call's swaps must all leave those copies right."""
-    import copy
-    import io
-
     from hybridlm.linear import Linear
 
     m = small(norm="rmsnorm", positions="rotary", mlp="swiglu", n_kv_head=1, attn_bias=False, attn_out_bias=False)
@@ -187,13 +186,13 @@ def test_members_of_the_parts_stay_plain_attributes_through_every_change():
     m.float()
 
     # copies: each copy's attributes are its own members
-    for twin in (copy.deepcopy(m), _pickled(m, io)):
+    for twin in (copy.deepcopy(m), _pickled(m)):
         _members_agree(twin)
         assert twin.blocks[0].attn.W_qkv is not m.blocks[0].attn.W_qkv
         assert torch.equal(twin(ids), m(ids))
 
 
-def _pickled(model, io):
+def _pickled(model):
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
