@@ -21,6 +21,7 @@ import torch
 
 from hybridlm.errors import InputError
 from hybridlm.kernel import Kernel
+from hybridlm.linear import step_products
 from hybridlm.model import DecoderLM
 from hybridlm.recursion import Generation, TokenStep, _default_stops
 
@@ -64,11 +65,12 @@ def _run_group(model, runs, members, kernel, max_new_tokens, seeds, stop) -> Non
     for t in range(1, max_new_tokens + 1):
         if not active:
             return
-        z = model.G(x)
-        draws = [kernel.sample_with_logprob(z[r : r + 1], generators[r]) for r in range(len(active))]
-        w = torch.cat([d[0] for d in draws])
-        rebuilds = x.rebuilds
-        model.F(x, w)
+        with step_products(model, x.batch):
+            z = model.G(x)
+            draws = [kernel.sample_with_logprob(z[r : r + 1], generators[r]) for r in range(len(active))]
+            w = torch.cat([d[0] for d in draws])
+            rebuilds = x.rebuilds
+            model.F(x, w)
         wall = time.perf_counter() - start
         keep = []
         for r, b in enumerate(active):

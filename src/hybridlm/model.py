@@ -26,7 +26,7 @@ from hybridlm.attention import Attention
 from hybridlm.config import ModelConfig
 from hybridlm.errors import InputError
 from hybridlm.hooks import DirectModule, HookedModule, HookPoint
-from hybridlm.linear import column_major_zeros
+from hybridlm.linear import affine, column_major_zeros, step_products
 from hybridlm.mlp import make_mlp
 from hybridlm.norm import make_norm
 from hybridlm.positions import LearnedPositions, Rotary
@@ -82,7 +82,8 @@ class StateSpaceForm:
         The step runs in inference mode (no autograd bookkeeping on the new tensors, which
         makes a decode step's many small kernels cheaper); the state's buffers and the
         readout it keeps are ordinary tensors, free to be read, changed or differentiated
-        afterwards.
+        afterwards. A step of few rows runs its products through the step BLAS
+        (`hybridlm.linear.step_products`).
         """
         w = torch.as_tensor(w, dtype=torch.long, device=x.device)
         if w.dim() == 1:
@@ -96,9 +97,10 @@ class StateSpaceForm:
             x.reset()
             x.rebuilds += 1
             w = s
-        with torch.inference_mode():
-            z = self(w, x, last_only=True)[:, -1]
-        x.logits = z.clone()
+        with step_products(self, w.numel()):
+            with torch.inference_mode():
+                z = self(w, x, last_only=True)[:, -1]
+            x.logits = z.clone()
         return x
 
     @staticmethod
@@ -184,7 +186,7 @@ class DecoderLM(StateSpaceForm, HookedModule):
         h = self.ln_final(h)
         if self.readout_map is not None:
             return self.hook_logits(self.readout_map(h))
-        return self.hook_logits(torch.nn.functional.linear(h, self.unembedding))
+        return self.hook_logits(affine(h, self.unembedding))
 
     # ------------------------------------------------------------------ the generative map
     def forward(

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridlm.kernel import Kernel
+from hybridlm.linear import step_products
 from hybridlm.model import DecoderLM
 from hybridlm.state import KVState
 
@@ -86,13 +87,14 @@ def token_clock(
     device = x.device
     generator = torch.Generator(device=device).manual_seed(seed)
     for t in range(1, max_new_tokens + 1):
-        z = model.G(x)
-        w, logprob = kernel.sample_with_logprob(z, generator)
-        logprob = float(logprob[0])
-        token = int(w[0])
-        rebuilds = x.rebuilds
-        is_stop = token in stop
-        model.F(x, w)
+        with step_products(model, x.batch):  # (not across the yield: the caller's code runs as usual)
+            z = model.G(x)
+            w, logprob = kernel.sample_with_logprob(z, generator)
+            logprob = float(logprob[0])
+            token = int(w[0])
+            rebuilds = x.rebuilds
+            is_stop = token in stop
+            model.F(x, w)
         yield TokenStep(
             t=t, token=token, logprob=logprob, n=x.n,
             rebuilt=x.rebuilds > rebuilds, stop=is_stop, wall_s=time.perf_counter() - start,
