@@ -7,9 +7,9 @@ every reference):
 - prefill: tokens/s of a `prefill_tokens`-token prompt entering an empty state;
 - latency: seconds per decode step at context lengths `contexts` (the state makes a step
   O(n) attention, not a recompute);
-- hooks: the decode step with hooks off, in a build without hook points
+- hooks: the decode step and the prefill with hooks off, in a build without hook points
   (`hooks.without_hook_points`), with every residual state recorded, and with every
-  activation recorded (attention patterns included);
+  activation recorded (attention patterns included), finely interleaved (`_hook_costs`);
 - batch: aggregate tokens/s of B independent sequences (`batched.generate_batch`) vs B = 1;
 - agreement: teacher-forced greedy agreement of each reduced-precision path with the
   exact one over a text of `agreement_tokens` tokens;
@@ -70,19 +70,11 @@ class Contender:
 
 def hybridlm_contender(model, name: str, *, hooks: str = "off", sections=("decode", "prefill", "latency")) -> Contender:
     """hybridlm's own paths; hooks: off | stripped (no hook points) | residuals | all."""
-    from hybridlm.capture import TrajectoryRecorder
-    from hybridlm.hooks import without_hook_points
     from hybridlm.kernel import Kernel
     from hybridlm.recursion import token_clock
 
     def context():
-        if hooks == "stripped":
-            return without_hook_points(model)
-        if hooks == "residuals":
-            return TrajectoryRecorder(model, lambda n: "resid" in n)
-        if hooks == "all":
-            return TrajectoryRecorder(model)
-        return _Null()
+        return hook_context(model, hooks)
 
     device = model.W_e.device
 
@@ -112,6 +104,20 @@ def hybridlm_contender(model, name: str, *, hooks: str = "off", sections=("decod
         return model.init_state(torch.tensor(ids, device=device)).nbytes()
 
     return Contender(name, decode, prefill, step_time, kv_bytes, sections=tuple(sections))
+
+
+def hook_context(model, mode: str):
+    """The context of a hook mode: off | stripped (no hook points) | residuals | all (recorded)."""
+    from hybridlm.capture import TrajectoryRecorder
+    from hybridlm.hooks import without_hook_points
+
+    if mode == "stripped":
+        return without_hook_points(model)
+    if mode == "residuals":
+        return TrajectoryRecorder(model, lambda n: "resid" in n)
+    if mode == "all":
+        return TrajectoryRecorder(model)
+    return _Null()
 
 
 def transformers_contender(model, device: str) -> Contender | None:
@@ -241,6 +247,9 @@ class BenchConfig:
     batch: int = 8
     batch_new_tokens: int = 64
     agreement_tokens: int = 200
+    hook_rounds: int = 100
+    hook_steps: int = 4
+    hook_prefill_rounds: int = 12
     references: bool = True
     sections: tuple[str, ...] = ("decode", "prefill", "latency", "hooks", "batch", "agreement")
     device: str | None = None
@@ -271,11 +280,6 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
         contenders.append(c)
     if device == "cuda" and "bfloat16" not in reduced:
         log("note: on CUDA bfloat16 is the default path; add it with --precisions bfloat16")
-    if "hooks" in cfg.sections:
-        for mode in ("stripped", "residuals", "all"):
-            label = {"stripped": "no hook points", "residuals": "all residual states", "all": "every activation"}[mode]
-            contenders.append(hybridlm_contender(exact, f"hybridlm (float32, {label})", hooks=mode,
-                                                 sections=("decode", "prefill")))
     if cfg.references:
         rss = _rss_mb()
         ref = transformers_contender(exact, device)
@@ -328,9 +332,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
             for c in contenders if c.name in report.get(f"latency@{hi}", {}).get("figures", {})}
         log(f"  latency at {hi} / latency at {lo}: " + ", ".join(f"{k} {v:.2f}×" for k, v in report["latency_growth"].items()))
     if "hooks" in cfg.sections:
-        report["hooks"] = _hook_ratios(report, exact_name)
-        for k, v in report["hooks"].items():
-            log(f"  {k}: " + ", ".join(f"{s} {r:.3f}×" for s, r in v.items()))
+        report["hooks"] = _hook_costs(exact, prompt, prefill_ids, cfg, log)
     if "batch" in cfg.sections:
         report["batch"] = _batch(exact, text_ids, cfg, log)
     if "agreement" in cfg.sections and reduced:
@@ -373,23 +375,80 @@ def _batch(model, text_ids, cfg: BenchConfig, log) -> dict:
     return out
 
 
-def _hook_ratios(report: dict, exact: str) -> dict:
-    out = {}
-    for sec in ("decode", "prefill"):
-        figs = report.get(sec, {}).get("figures", {})
-        if exact not in figs:
-            continue
-        off = figs[exact]["median"]
-        pairs = {"hooks off / no hook points": "hybridlm (float32, no hook points)",
-                 "all residual states / hooks off": "hybridlm (float32, all residual states)",
-                 "every activation / hooks off": "hybridlm (float32, every activation)"}
-        # rates are tokens/s: a cost ratio is rate(off) / rate(with hooks)
-        row = {}
-        for label, name in pairs.items():
-            if name in figs:
-                row[label] = figs[name]["median"] / off if label.startswith("hooks off") else off / figs[name]["median"]
-        out[f"{sec} time ratio"] = row
+HOOK_MODES = {"off": "hooks off", "stripped": "no hook points", "residuals": "all residual states",
+              "all": "every activation"}
+
+
+def _hook_costs(model, prompt, prefill_ids, cfg: BenchConfig, log) -> dict:
+    """The price of observability on the exact path, as time ratios between hook modes.
+
+    A 5 % difference is smaller than this kind of machine's drift (bandwidth shared with
+    other tenants moves a decode step by ±20 % within seconds), so the modes take turns
+    finely instead: one KV state, continued by every mode in a shuffled order, a block of
+    `hook_steps` decode steps each, `hook_rounds` rounds (the state is reset to the prompt
+    before it fills); prefills take turns the same way, `hook_prefill_rounds` rounds. A
+    ratio is the median over rounds of that round's ratio, so drift slower than a round
+    cancels.
+    """
+    device = model.W_e.device
+    log(f"[hooks] {cfg.hook_rounds} rounds of {cfg.hook_steps} decode steps, and {cfg.hook_prefill_rounds} of one "
+        f"{len(prefill_ids)}-token prefill, per mode, in shuffled order ...")
+    capacity = len(prompt) + 256
+    start = model.init_state(torch.tensor(prompt, device=device), capacity=capacity)
+    w = torch.tensor([prompt[-1]], device=device)
+    state = [start.clone()]
+
+    def decode_block(mode: str) -> float:
+        if state[0].n + cfg.hook_steps > capacity:
+            state[0] = start.clone()
+        x = state[0]
+        with hook_context(model, mode):
+            t0 = time.perf_counter()
+            for _ in range(cfg.hook_steps):
+                model.F(x, w)
+            _sync(device)
+            return (time.perf_counter() - t0) / cfg.hook_steps
+
+    def prefill(mode: str) -> float:
+        ids = torch.tensor(prefill_ids, device=device)
+        with hook_context(model, mode):
+            t0 = time.perf_counter()
+            model.init_state(ids)
+            _sync(device)
+            return time.perf_counter() - t0
+
+    pairs = {"hooks off / no hook points": ("off", "stripped"),
+             "all residual states / hooks off": ("residuals", "off"),
+             "every activation / hooks off": ("all", "off")}
+    out: dict = {"modes": HOOK_MODES, "decode_rounds": cfg.hook_rounds, "decode_steps_per_round": cfg.hook_steps,
+                 "prefill_rounds": cfg.hook_prefill_rounds}
+    for name, run, rounds, unit in (("decode", decode_block, cfg.hook_rounds, "s/token"),
+                                    ("prefill", prefill, cfg.hook_prefill_rounds, "s")):
+        times = paired({m: (lambda m=m: run(m)) for m in HOOK_MODES}, rounds)
+        out[name] = {"unit": unit, "figures": {HOOK_MODES[m]: f.as_dict() for m, f in times.items()}}
+        ratios = {label: Figure([x / y for x, y in zip(times[a].values, times[b].values)]).as_dict()
+                  for label, (a, b) in pairs.items()}
+        out[f"{name} time ratio"] = {k: r["median"] for k, r in ratios.items()}
+        out[f"{name} time ratio per round"] = ratios
+        log(f"  {name}: " + ", ".join(f"{HOOK_MODES[m]} {f.as_dict()['median'] * 1e3:.2f} ms" for m, f in times.items()))
+        log(f"  {name} time ratio: " + ", ".join(f"{k} {r['median']:.3f}× ({r['min']:.2f}–{r['max']:.2f})"
+                                                   for k, r in ratios.items()))
     return out
+
+
+def paired(runs: dict[str, Callable[[], float]], rounds: int, seed: int = 0) -> dict[str, Figure]:
+    """One warm-up each, then `rounds` rounds that run every contender once in a shuffled order."""
+    import random
+
+    order, rng = list(runs), random.Random(seed)
+    for run in runs.values():
+        run()
+    figures = {name: Figure() for name in runs}
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            figures[name].values.append(runs[name]())
+    return figures
 
 
 def _ratios(figs: dict, contenders: list[Contender], exact: str, higher_better: bool) -> dict:

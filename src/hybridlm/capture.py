@@ -67,9 +67,10 @@ class TrajectoryRecorder:
         key = f"{name}@{i}"
         self.records[key] = _own_copy(x)
         self.records[key + ":pos"] = pos_record
-        self._buffer_bytes += x.numel() * x.element_size()
-        if self.out is not None and self._buffer_bytes >= self.shard_bytes:
-            self.flush()
+        if self.out is not None:
+            self._buffer_bytes += x.numel() * x.element_size()
+            if self._buffer_bytes >= self.shard_bytes:
+                self.flush()
 
     def _positions_of(self, pos: torch.Tensor) -> torch.Tensor:
         """One copy of `pos` per forward call, shared by the records of that call."""
@@ -145,9 +146,10 @@ def _own_copy(x: torch.Tensor) -> torch.Tensor:
     never holds more than twice its own bytes; q beside them, gate and up of the fused
     SwiGLU product, the scores and z are kept as they are.
     """
-    x = x.detach()
-    if x.device.type != "cpu":
-        return x.cpu()
+    if x.requires_grad:
+        x = x.detach()
+    if not x.is_cpu:
+        return x.detach().cpu()
     if x._base is not None and 2 * x.numel() < x._base.numel():
         return x.clone()
     return x

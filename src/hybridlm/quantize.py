@@ -1,4 +1,4 @@
-"""Reduced-precision weight paths: bfloat16, and 8-bit weight-only quantisation.
+"""Reduced-precision weight paths: bfloat16, and 8- and 4-bit weight-only quantisation.
 
 A decode step reads every weight once, so its time is bounded by the bytes of the weights.
 The exact path keeps float32; two reduced paths trade exactness for bytes:
@@ -11,8 +11,8 @@ The exact path keeps float32; two reduced paths trade exactness for bytes:
 
 In the quantised paths only the products read bfloat16 inputs (what the fused kernels
 take); the residual stream, norms, attention and KV state stay float32. The unembedding
-W_u is read in int8 and its leading logits are recomputed from the exact rows, which the
-embedding lookup keeps anyway.
+W_u is quantised as the layers are (int8 or int4) and its leading logits are recomputed
+from the exact rows, which the embedding lookup keeps anyway.
 
 `agreement` measures what the trade costs: teacher-forced greedy next-token agreement
 with the exact path over a text.
@@ -104,16 +104,17 @@ class Int4Linear(DirectModule):
 
 
 class RefinedReadout(DirectModule):
-    """z = LN_f(h) W_uᵀ from int8 W_u, then made exact on the k most likely tokens.
+    """z = LN_f(h) W_uᵀ from a quantised W_u (int8 or int4), then made exact on the k most
+    likely tokens.
 
-    The int8 product ranks the vocabulary; the k leading rows are recomputed from the
+    The quantised product ranks the vocabulary; the k leading rows are recomputed from the
     exact float32 W_u (which the embedding lookup keeps anyway), so the argmax, and most
     of the mass a sampler sees, come from exact logits at the cost of k rows.
     """
 
-    def __init__(self, unembedding: torch.Tensor, k: int = 32) -> None:
+    def __init__(self, unembedding: torch.Tensor, k: int = 32, kind=None) -> None:
         super().__init__()
-        self.approx = Int8Linear(unembedding, None)
+        self.approx = (kind or Int8Linear)(unembedding, None)
         self.exact = unembedding  # a reference to the model's own parameter, not a copy
         self.k = k
 
@@ -142,18 +143,18 @@ def set_precision(model, precision: str):
     """Convert a loaded float32 model in place to one of PRECISIONS; returns the model.
 
     bfloat16: every weight and activation in bfloat16. int8 / int4: the weights of every
-    affine map quantised (the unembedding W_u always to int8), the products computed from
-    bfloat16 inputs, and everything else (residual stream, norms, attention, the KV state)
-    left in float32; the unembedding is int8 with its k leading logits recomputed exactly
-    (`RefinedReadout`).
+    affine map quantised, the products computed from bfloat16 inputs, and everything else
+    (residual stream, norms, attention, the KV state) left in float32; the unembedding is
+    quantised the same way, with its k leading logits recomputed exactly (`RefinedReadout`).
     """
     if precision not in PRECISIONS:
         raise InputError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
     if precision == "bfloat16":
         model.to(torch.bfloat16)
     elif precision in ("int8", "int4"):
-        _quantize_linears(model, Int8Linear if precision == "int8" else Int4Linear)
-        model.readout_map = RefinedReadout(model.unembedding)
+        kind = Int8Linear if precision == "int8" else Int4Linear
+        _quantize_linears(model, kind)
+        model.readout_map = RefinedReadout(model.unembedding, kind=kind)
     model.precision = precision
     return model
 
