@@ -154,9 +154,21 @@ def set_precision(model, precision: str):
     elif precision in ("int8", "int4"):
         kind = Int8Linear if precision == "int8" else Int4Linear
         _quantize_linears(model, kind)
+        _rows_contiguous(model)
         model.readout_map = RefinedReadout(model.unembedding, kind=kind)
     model.precision = precision
     return model
+
+
+def _rows_contiguous(model) -> None:
+    """W_e (and an untied W_u) row by row: once no exact product streams them, only row
+    lookups read them (the embedding, and the k rows `RefinedReadout` recomputes), and a row
+    of a column-major matrix is a strided gather (~0.1 ms each lookup here)."""
+    with torch.no_grad():
+        for name in ("W_e", "W_u"):
+            p = getattr(model, name)
+            if p is not None and not p.is_contiguous():
+                setattr(model, name, nn.Parameter(p.contiguous(), requires_grad=p.requires_grad))
 
 
 def _quantize_linears(module: nn.Module, kind) -> None:
