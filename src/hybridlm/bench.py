@@ -256,6 +256,7 @@ class BenchConfig:
 
 
 def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
+    from hybridlm import linear
     from hybridlm.loading import load_model
     from hybridlm.quantize import agreement, set_precision
 
@@ -278,6 +279,9 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
         c = hybridlm_contender(m, f"hybridlm ({p})")
         c.rss_mb = _rss_mb() - rss
         contenders.append(c)
+    if device == "cpu" and "bfloat16" in reduced and not _cpu_has_bf16():
+        log("note: this CPU has no bfloat16 arithmetic (avx512_bf16 / amx_bf16); the bfloat16 path is emulated "
+            "here and slower than float32")
     if device == "cuda" and "bfloat16" not in reduced:
         log("note: on CUDA bfloat16 is the default path; add it with --precisions bfloat16")
     if cfg.references:
@@ -294,10 +298,12 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
             llama.rss_mb = _rss_mb() - rss
             contenders.append(llama)
     log(f"device {device} ({_device_name(device)}), {cfg.threads} threads, torch {torch.__version__}, "
+        f"step BLAS {linear.BACKEND if device == 'cpu' else 'cuda'}, "
         f"model {exact.source}, {len(contenders)} contenders, {cfg.repeats} repeats")
 
     report: dict = {
         "device": device, "device_name": _device_name(device), "threads": cfg.threads,
+        "step_blas": linear.BACKEND if device == "cpu" else "cuda",
         "torch": torch.__version__, "python": platform.python_version(), "model": exact.source,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()},
         "contenders": {c.name: {"rss_load_mb": round(c.rss_mb, 1), "reference": c.reference} for c in contenders},
@@ -531,6 +537,15 @@ def _rss_mb() -> float:
 def _sync(device) -> None:
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = next((line for line in fh if line.startswith("flags")), "").split()
+    except OSError:
+        return True  # unknown: say nothing
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _device_name(device: str) -> str:
