@@ -1,7 +1,7 @@
 """Reduced-precision weight paths: bfloat16, and 8- and 4-bit weight-only quantisation.
 
 A decode step reads every weight once, so its time is bounded by the bytes of the weights.
-The exact path keeps float32; two reduced paths trade exactness for bytes:
+The exact path keeps float32; three reduced paths trade exactness for bytes:
 
 - `bfloat16`: weights, activations and the KV state in bfloat16 (half the bytes).
 - `int8`: each affine map x ↦ x Wᵀ + b keeps W ≈ diag(s) Q with Q ∈ {−127, …, 127}^{r×c}
