@@ -73,23 +73,20 @@ def hybridlm_contender(model, name: str, *, hooks: str = "off", sections=("decod
     from hybridlm.kernel import Kernel
     from hybridlm.recursion import token_clock
 
-    def context():
-        return hook_context(model, hooks)
-
     device = model.W_e.device
 
     def decode(ids, n):
-        with context():
+        with hook_context(model, hooks):
             steps = token_clock(model, ids, kernel=Kernel(greedy=True), max_new_tokens=n, stop_ids=set())
             return [s.token for s in steps]
 
     def prefill(ids):
-        with context():
+        with hook_context(model, hooks):
             model.init_state(torch.tensor(ids, device=device))
             _sync(device)
 
     def step_time(ids, steps):
-        with context():
+        with hook_context(model, hooks):
             x = model.init_state(torch.tensor(ids[:-1], device=device), capacity=len(ids) + steps)
             w = torch.tensor([ids[-1]], device=device)
             model.F(x, w)
@@ -212,14 +209,21 @@ class Figure:
         return {"median": statistics.median(v), "min": min(v), "max": max(v), "values": v} if v else {}
 
 
-def interleaved(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, Figure]:
-    """Each run returns a figure; one warm-up, then `repeats` rounds over all contenders."""
+def interleaved(runs: dict[str, Callable[[], float]], repeats: int, *, shuffle_seed: int | None = None
+                ) -> dict[str, Figure]:
+    """Each run returns a figure; one warm-up, then `repeats` rounds over all contenders (in a
+    fresh seeded shuffle each round when `shuffle_seed` is given)."""
+    import random
+
+    order, rng = list(runs), random.Random(shuffle_seed)
     for run in runs.values():
         run()
     figures = {name: Figure() for name in runs}
     for _ in range(repeats):
-        for name, run in runs.items():
-            figures[name].values.append(run())
+        if shuffle_seed is not None:
+            rng.shuffle(order)
+        for name in order:
+            figures[name].values.append(runs[name]())
     return figures
 
 
@@ -430,7 +434,7 @@ def _hook_costs(model, prompt, prefill_ids, cfg: BenchConfig, log) -> dict:
                  "prefill_rounds": cfg.hook_prefill_rounds}
     for name, run, rounds, unit in (("decode", decode_block, cfg.hook_rounds, "s/token"),
                                     ("prefill", prefill, cfg.hook_prefill_rounds, "s")):
-        times = paired({m: (lambda m=m: run(m)) for m in HOOK_MODES}, rounds)
+        times = interleaved({m: (lambda m=m: run(m)) for m in HOOK_MODES}, rounds, shuffle_seed=0)
         out[name] = {"unit": unit, "figures": {HOOK_MODES[m]: f.as_dict() for m, f in times.items()}}
         ratios = {label: Figure([x / y for x, y in zip(times[a].values, times[b].values)]).as_dict()
                   for label, (a, b) in pairs.items()}
@@ -440,21 +444,6 @@ def _hook_costs(model, prompt, prefill_ids, cfg: BenchConfig, log) -> dict:
         log(f"  {name} time ratio: " + ", ".join(f"{k} {r['median']:.3f}× ({r['min']:.2f}–{r['max']:.2f})"
                                                    for k, r in ratios.items()))
     return out
-
-
-def paired(runs: dict[str, Callable[[], float]], rounds: int, seed: int = 0) -> dict[str, Figure]:
-    """One warm-up each, then `rounds` rounds that run every contender once in a shuffled order."""
-    import random
-
-    order, rng = list(runs), random.Random(seed)
-    for run in runs.values():
-        run()
-    figures = {name: Figure() for name in runs}
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for name in order:
-            figures[name].values.append(runs[name]())
-    return figures
 
 
 def _ratios(figs: dict, contenders: list[Contender], exact: str, higher_better: bool) -> dict:
@@ -540,12 +529,10 @@ def _sync(device) -> None:
 
 
 def _cpu_has_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            flags = next((line for line in fh if line.startswith("flags")), "").split()
-    except OSError:
-        return True  # unknown: say nothing
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    from hybridlm.linear import cpuinfo
+
+    flags = cpuinfo("flags")
+    return flags is None or "avx512_bf16" in flags.split() or "amx_bf16" in flags.split()  # unknown: say nothing
 
 
 def _device_name(device: str) -> str:

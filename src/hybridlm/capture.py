@@ -149,7 +149,7 @@ def _own_copy(x: torch.Tensor) -> torch.Tensor:
     if x.requires_grad:
         x = x.detach()
     if not x.is_cpu:
-        return x.detach().cpu()
+        return x.cpu()
     if x._base is not None and 2 * x.numel() < x._base.numel():
         return x.clone()
     return x

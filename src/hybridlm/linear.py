@@ -112,22 +112,23 @@ def _detect_backend() -> str:
         raise InputError(f"HYBRIDLM_BLAS={choice!r}: expected auto, torch or openblas")
     if choice != "auto":
         return choice if choice == "torch" or _numpy_has_openblas() else "torch"
-    if platform.machine().lower() not in ("x86_64", "amd64") or _cpu_vendor() == "GenuineIntel":
+    if platform.machine().lower() not in ("x86_64", "amd64") or cpuinfo("vendor_id") == "GenuineIntel":
         return "torch"
     if "BLAS_INFO=mkl" not in torch.__config__.show() or not _numpy_has_openblas():
         return "torch"
     return "openblas"
 
 
-def _cpu_vendor() -> str:
+def cpuinfo(field: str) -> str | None:
+    """The first value of `field` in /proc/cpuinfo (vendor_id, flags, ...); None where unknown."""
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
-                if line.startswith("vendor_id"):
+                if line.startswith(field):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return ""
+    return None
 
 
 def _numpy_has_openblas() -> bool:
