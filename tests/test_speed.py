@@ -248,7 +248,7 @@ needs_openblas = pytest.mark.skipif(not linear._numpy_has_openblas(), reason="Nu
 def test_step_blas_is_the_same_affine_map(monkeypatch):
     """Products through OpenBLAS equal PyTorch's up to float32 round-off, for every layout."""
     monkeypatch.setattr(linear, "BACKEND", "openblas")
-    m = tiny(attn_bias=True)
+    m = tiny()
     g = torch.Generator().manual_seed(4)
     W, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
     x = torch.randn(3, 2, 64, generator=g)
@@ -261,6 +261,31 @@ def test_step_blas_is_the_same_affine_map(monkeypatch):
                 assert torch.allclose(y, torch.nn.functional.linear(inp, W, b), rtol=1e-5, atol=1e-5)
         assert linear.affine(x.double(), W.double()).dtype == torch.float64  # other dtypes: PyTorch's product
     assert not linear._step.active
+
+
+def test_a_long_block_in_column_blocks_is_the_one_product(monkeypatch):
+    """Many rows: the product taken BLOCK_COLUMNS columns at a time gives the one product's
+    numbers, for both weight layouts, with and without a bias; autograd keeps the one call."""
+    blocks = []
+    monkeypatch.setattr(linear, "_column_blocks", lambda *a: blocks.append(1) or _column_blocks(*a))
+    g = torch.Generator().manual_seed(5)
+    cols = 2 * linear.BLOCK_COLUMNS + 100  # two whole blocks and a part
+    x = torch.randn(2, linear.STEP_ROWS, 64, generator=g)
+    W, b = torch.randn(cols, 64, generator=g), torch.randn(cols, generator=g)
+    with torch.no_grad():
+        for weight in (W, W.t().contiguous().t()):
+            for bias in (None, b):
+                assert torch.equal(linear.affine(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
+        assert len(blocks) == 4
+        linear.affine(x[:, :1], W)  # few rows, or few columns: one product
+        linear.affine(x, W[: linear.BLOCK_COLUMNS])
+    assert len(blocks) == 4
+    Wg = torch.nn.Parameter(W.clone())
+    linear.affine(x, Wg, b).sum().backward()
+    assert len(blocks) == 4 and torch.allclose(Wg.grad, x.reshape(-1, 64).sum(0).expand(cols, 64))
+
+
+_column_blocks = linear._column_blocks
 
 
 @needs_openblas

@@ -26,6 +26,13 @@ The two BLAS differ only in the order of float32 round-off within a dot product 
 few units in the last place); both compute the same map in float32. `HYBRIDLM_BLAS=torch`
 or `=openblas` forces one (default `auto`: OpenBLAS on x86 CPUs that are not Intel's, when
 NumPy's BLAS is OpenBLAS and PyTorch's is MKL).
+
+Long blocks. A product of many rows (a prefill) is compute-bound; it is taken in blocks of
+`BLOCK_COLUMNS` output columns, each written in place into the one result. The BLAS
+computes each entry of x Wᵀ as the same dot product whatever the block (a test checks the
+numbers against the one product), and the blocks ran faster: a 512-token prefill of
+SmolLM2-135M, whose W_gate_up has 3072 columns, took 4.4 % less time (median of 14
+interleaved rounds; 1.5–8 % in four runs). Products that autograd records keep the one call.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from hybridlm.errors import InputError
 from hybridlm.hooks import DirectModule
 
 STEP_ROWS = 32  # a token step with at most this many rows (B · m) takes the step BLAS
+BLOCK_COLUMNS = 768  # a product of more rows than STEP_ROWS is taken in blocks of this many columns
 
 
 def column_major_zeros(rows: int, cols: int, **kwargs) -> torch.Tensor:
@@ -64,13 +72,36 @@ class Linear(DirectModule, nn.Linear):
 
 
 def affine(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x Wᵀ + b, through the step BLAS inside a token step (`step_products`), else PyTorch's."""
+    """x Wᵀ + b, through the step BLAS inside a token step (`step_products`), else PyTorch's
+    (in column blocks for a long block of rows)."""
     if _step.active and x.dtype == torch.float32 and W.dtype == torch.float32 and x.device.type == "cpu":
         try:
             return _openblas_affine(x, W, b)
         except (RuntimeError, TypeError):  # a tensor NumPy cannot view (a functorch wrapper, ...)
             pass
+    elif W.shape[0] > BLOCK_COLUMNS and x.numel() > STEP_ROWS * x.shape[-1] and _plain(x, W, b):
+        return _column_blocks(x, W, b)
     return torch.nn.functional.linear(x, W, b)
+
+
+def _plain(*tensors) -> bool:
+    """Float32 CPU tensors outside autograd and functorch (what an out= product may write)."""
+    grad = torch.is_grad_enabled()
+    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and not (grad and t.requires_grad)
+                             and not torch._C._functorch.is_functorch_wrapped_tensor(t)) for t in tensors)
+
+
+def _column_blocks(x, W, b):
+    """x Wᵀ + b for many rows, BLOCK_COLUMNS output columns at a time, into one result."""
+    rows = x.reshape(-1, x.shape[-1])
+    y = rows.new_empty(rows.shape[0], W.shape[0])
+    for i in range(0, W.shape[0], BLOCK_COLUMNS):
+        j = min(i + BLOCK_COLUMNS, W.shape[0])
+        if b is None:
+            torch.mm(rows, W[i:j].t(), out=y[:, i:j])
+        else:
+            torch.addmm(b[i:j], rows, W[i:j].t(), out=y[:, i:j])
+    return y.view(*x.shape[:-1], W.shape[0])
 
 
 def _openblas_affine(x, W, b):
