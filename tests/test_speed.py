@@ -263,6 +263,9 @@ def test_step_blas_is_the_same_affine_map(monkeypatch):
     assert not linear._step.active
 
 
+_column_blocks = linear._column_blocks  # (the real one, under the spy below)
+
+
 def test_a_long_block_in_column_blocks_is_the_one_product(monkeypatch):
     """Many rows: the product taken BLOCK_COLUMNS columns at a time gives the one product's
     numbers, for both weight layouts, with and without a bias; autograd keeps the one call."""
@@ -283,9 +286,6 @@ def test_a_long_block_in_column_blocks_is_the_one_product(monkeypatch):
     Wg = torch.nn.Parameter(W.clone())
     linear.affine(x, Wg, b).sum().backward()
     assert len(blocks) == 4 and torch.allclose(Wg.grad, x.reshape(-1, 64).sum(0).expand(cols, 64))
-
-
-_column_blocks = linear._column_blocks
 
 
 @needs_openblas
