@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import resource
 import statistics
 import sys
@@ -65,42 +66,38 @@ class Contender:
     kv_bytes: Callable[[list[int]], int | None] | None = None
     rss_mb: float = 0.0  # resident memory added by building it
     reference: bool = False
-    sections: tuple[str, ...] = ("decode", "prefill", "latency")
 
 
-def hybridlm_contender(model, name: str, *, hooks: str = "off", sections=("decode", "prefill", "latency")) -> Contender:
-    """hybridlm's own paths; hooks: off | stripped (no hook points) | residuals | all."""
+def hybridlm_contender(model, name: str) -> Contender:
+    """hybridlm's own paths, hooks off (`_hook_costs` prices the hook modes)."""
     from hybridlm.kernel import Kernel
     from hybridlm.recursion import token_clock
 
     device = model.W_e.device
 
     def decode(ids, n):
-        with hook_context(model, hooks):
-            steps = token_clock(model, ids, kernel=Kernel(greedy=True), max_new_tokens=n, stop_ids=set())
-            return [s.token for s in steps]
+        steps = token_clock(model, ids, kernel=Kernel(greedy=True), max_new_tokens=n, stop_ids=set())
+        return [s.token for s in steps]
 
     def prefill(ids):
-        with hook_context(model, hooks):
-            model.init_state(torch.tensor(ids, device=device))
-            _sync(device)
+        model.init_state(torch.tensor(ids, device=device))
+        _sync(device)
 
     def step_time(ids, steps):
-        with hook_context(model, hooks):
-            x = model.init_state(torch.tensor(ids[:-1], device=device), capacity=len(ids) + steps)
-            w = torch.tensor([ids[-1]], device=device)
+        x = model.init_state(torch.tensor(ids[:-1], device=device), capacity=len(ids) + steps)
+        w = torch.tensor([ids[-1]], device=device)
+        model.F(x, w)
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
             model.F(x, w)
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                model.F(x, w)
-            _sync(device)
-            return (time.perf_counter() - t0) / steps
+        _sync(device)
+        return (time.perf_counter() - t0) / steps
 
     def kv_bytes(ids):
         return model.init_state(torch.tensor(ids, device=device)).nbytes()
 
-    return Contender(name, decode, prefill, step_time, kv_bytes, sections=tuple(sections))
+    return Contender(name, decode, prefill, step_time, kv_bytes)
 
 
 def hook_context(model, mode: str):
@@ -213,8 +210,6 @@ def interleaved(runs: dict[str, Callable[[], float]], repeats: int, *, shuffle_s
                 ) -> dict[str, Figure]:
     """Each run returns a figure; one warm-up, then `repeats` rounds over all contenders (in a
     fresh seeded shuffle each round when `shuffle_seed` is given)."""
-    import random
-
     order, rng = list(runs), random.Random(shuffle_seed)
     for run in runs.values():
         run()
@@ -324,18 +319,18 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
 
     if "decode" in cfg.sections:
         section("decode", "tokens/s", {c.name: _timed(lambda c=c: c.decode(prompt, cfg.new_tokens), cfg.new_tokens)
-                                       for c in contenders if "decode" in c.sections})
-        outputs = {c.name: c.decode(prompt, 32) for c in contenders if "decode" in c.sections}
+                                       for c in contenders})
+        outputs = {c.name: c.decode(prompt, 32) for c in contenders}
         report["decode"]["same_tokens_as_exact_first_32"] = {k: v == outputs[exact_name] for k, v in outputs.items()}
     if "prefill" in cfg.sections:
         section("prefill", "tokens/s", {c.name: _timed(lambda c=c: c.prefill(prefill_ids), len(prefill_ids))
-                                        for c in contenders if "prefill" in c.sections})
+                                        for c in contenders})
     if "latency" in cfg.sections:
         for n in cfg.contexts:
             ctx = text_ids[:n]
             section(f"latency@{n}", "s/token", {
                 c.name: (lambda c=c, ctx=ctx: c.step_time(ctx, cfg.latency_steps))
-                for c in contenders if c.step_time is not None and "latency" in c.sections}, higher_better=False)
+                for c in contenders if c.step_time is not None}, higher_better=False)
         lo, hi = min(cfg.contexts), max(cfg.contexts)
         report["latency_growth"] = {
             c.name: report[f"latency@{hi}"]["figures"][c.name]["median"] / report[f"latency@{lo}"]["figures"][c.name]["median"]
@@ -356,7 +351,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "kv_bytes_at": len(big),
         "kv_bytes": {c.name: c.kv_bytes(big) for c in contenders
-                     if c.kv_bytes is not None and "latency" in c.sections},
+                     if c.kv_bytes is not None},
         "rss_load_mb": {c.name: round(c.rss_mb, 1) for c in contenders},
     }
     log(f"[memory] peak RSS {report['memory']['peak_rss_mb']} MB; KV bytes at n={len(big)}: "
