@@ -20,7 +20,8 @@ from hybridlm.optimal.resnet_ode import (
 )
 
 F64 = torch.float64
-SIGMA = {"tanh": torch.tanh, "sigmoid": torch.sigmoid, "softplus": torch.nn.functional.softplus}
+# softplus as log(1 + e^v) (torch's own is linear beyond v = 20, where its slope is not sigmoid(v))
+SIGMA = {"tanh": torch.tanh, "sigmoid": torch.sigmoid, "softplus": lambda v: torch.log1p(torch.exp(v))}
 
 
 def autograd_reference(net, x, y):
