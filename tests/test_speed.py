@@ -18,7 +18,7 @@ from hybridlm.cli import cli
 from hybridlm.errors import InputError
 from hybridlm.hooks import without_hook_points
 from hybridlm.linear import Linear
-from hybridlm.quantize import Int4Linear, Int8Linear, agreement, set_precision
+from hybridlm.quantize import Int8Linear, agreement, set_precision
 
 
 def tiny(**changes):
@@ -39,21 +39,6 @@ def test_int8_linear_is_the_closed_form():
     # half a step per channel, plus the rounding of the scale to bfloat16 (what the kernel reads)
     bound = s / 2 + 127 * (lin.scale.float() - s).abs() + 1e-6
     assert ((lin.weight - W).abs() <= bound[:, None]).all()
-
-
-def test_int4_reproduces_weights_on_a_q4_1_grid():
-    """Weights that are d·q + m per group of 32 (GGUF Q4_1) come back up to bfloat16 scales."""
-    g = torch.Generator().manual_seed(1)
-    out, inp = 64, 96
-    d = torch.rand(out, inp // 32, 1, generator=g) * 0.1 + 0.01
-    m = -torch.rand(out, inp // 32, 1, generator=g)
-    q = torch.randint(0, 16, (out, inp // 32, 32), generator=g).float()
-    q[..., 0], q[..., 1] = 0, 15  # each group spans its grid, as the Q4_1 quantiser makes it
-    W = (d * q + m).view(out, inp)
-    lin = Int4Linear(W, None)
-    assert (lin.weight - W).abs().max() < 2e-2 * W.abs().max()
-    x = torch.randn(3, inp, generator=g)
-    assert torch.allclose(lin(x), x @ W.T, rtol=3e-2, atol=5e-2)
 
 
 def test_reduced_precision_agrees_with_the_exact_path(smollm2):
@@ -178,24 +163,6 @@ def test_a_hooked_decode_step_equals_the_fused_one(kv):
         out = m(ids[:, 29:], x.clone())
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
     assert seen[0].shape == (2, 4, 1, 30) and torch.allclose(seen[0].sum(-1), torch.ones(()), atol=1e-6)
-
-
-def test_int4_fallback_equals_the_fused_kernel(monkeypatch):
-    """Where the CPU kernel is missing (or on another device) the layer dequantises on the fly."""
-    import hybridlm.quantize as q
-
-    g = torch.Generator().manual_seed(3)
-    W, b, x = torch.randn(48, 64, generator=g), torch.randn(48, generator=g), torch.randn(4, 64, generator=g)
-    fused = Int4Linear(W, b)
-    monkeypatch.setattr(q, "_int4_kernel", lambda: False)
-    plain = Int4Linear(W, b)
-    assert fused.cpu_packed and not plain.cpu_packed
-    d, z = plain.scales_and_zeros.float().unbind(-1)  # [groups, out]
-    qv = plain.packed.float().view(48, 2, 32)
-    W_hat = ((qv - 8) * d.T[..., None] + z.T[..., None]).view(48, 64)  # the closed form of the grid
-    ref = x.bfloat16().float() @ W_hat.T + b
-    for layer in (fused, plain):  # both read bfloat16 inputs and round their products to bfloat16
-        assert torch.allclose(layer(x), ref, rtol=2e-2, atol=0.2)
 
 
 # ---------------------------------------------------------------------- the decode path

@@ -255,7 +255,7 @@ class BenchConfig:
 
 
 def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
-    from hybridlm import linear
+    from hybridlm import kernels, linear
     from hybridlm.loading import load_model
     from hybridlm.quantize import agreement, set_precision
 
@@ -299,10 +299,13 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
     log(f"device {device} ({_device_name(device)}), {cfg.threads} threads, torch {torch.__version__}, "
         f"step BLAS {linear.BACKEND if device == 'cpu' else 'cuda'}, "
         f"model {exact.source}, {len(contenders)} contenders, {cfg.repeats} repeats")
+    int4_product = kernels.int4_status() if "int4" in reduced and device == "cpu" else None
+    if int4_product:
+        log(f"int4 product: {int4_product}")
 
     report: dict = {
         "device": device, "device_name": _device_name(device), "threads": cfg.threads,
-        "step_blas": linear.BACKEND if device == "cpu" else "cuda",
+        "step_blas": linear.BACKEND if device == "cpu" else "cuda", "int4_product": int4_product,
         "torch": torch.__version__, "python": platform.python_version(), "model": exact.source,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()},
         "contenders": {c.name: {"rss_load_mb": round(c.rss_mb, 1), "reference": c.reference} for c in contenders},

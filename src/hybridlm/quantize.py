@@ -5,14 +5,16 @@ The exact path keeps float32; three reduced paths trade exactness for bytes:
 
 - `bfloat16`: weights, activations and the KV state in bfloat16 (half the bytes).
 - `int8`: each affine map x ↦ x Wᵀ + b keeps W ≈ diag(s) Q with Q ∈ {−127, …, 127}^{r×c}
-  and one scale per output channel, s_r = max_c |W_rc| / 127 (a quarter of the bytes).
-- `int4`: 4-bit weights with a scale and an offset per group of 32 inputs (an eighth of
-  the bytes), the layout of GGUF's Q4_1.
+  and one scale per output channel, s_r = max_c |W_rc| / 127 (a quarter of the bytes); the
+  products read x in bfloat16 (PyTorch's `_weight_int8pack_mm`).
+- `int4`: 4-bit weights with a float16 scale and offset per group of 32 inputs, GGUF's Q4_1
+  grid (5 bits a weight), so a Q4_1 file's tensors come back without new loss. Their
+  product is hybridlm's own kernel (`hybridlm.kernels`: the input in 16 bits per group of
+  32, integer multiply-adds), where it can be built, else PyTorch's int4 kernel.
 
-In the quantised paths only the products read bfloat16 inputs (what the fused kernels
-take); the residual stream, norms, attention and KV state stay float32. The unembedding
-W_u is quantised as the layers are (int8 or int4) and its leading logits are recomputed
-from the exact rows, which the embedding lookup keeps anyway.
+In the quantised paths the residual stream, norms, attention and KV state stay float32. The
+unembedding W_u is quantised as the layers are (int8 or int4) and its leading logits are
+recomputed from the exact rows, which the embedding lookup keeps anyway.
 
 `agreement` measures what the trade costs: teacher-forced greedy next-token agreement
 with the exact path over a text.
@@ -23,13 +25,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridlm import kernels
 from hybridlm.errors import InputError
 from hybridlm.hooks import DirectModule
 from hybridlm.linear import Linear
 
 PRECISIONS = ("float32", "bfloat16", "int8", "int4")
 
-_MATMUL_DTYPE = torch.bfloat16  # what the quantised kernels read x as (their fast path)
+_MATMUL_DTYPE = torch.bfloat16  # what PyTorch's quantised kernels read x as (their fast path)
 
 
 class Int8Linear(DirectModule):
@@ -59,10 +62,20 @@ class Int8Linear(DirectModule):
 
 
 class Int4Linear(DirectModule):
-    """x ↦ x Ŵᵀ + b with Ŵ = d_g (q − 8) + z_g, q ∈ {0..15}, one (d, z) per group of 32 inputs.
+    """x ↦ x Ŵᵀ + b with Ŵ = d_g q + m_g, q ∈ {0..15}, one (d, m) per group g of 32 inputs.
 
-    The groups are quantised from their min and max, as GGUF's Q4_1 does, so a tensor that
-    came from a Q4_1 file is represented again without new loss (bar bfloat16 scales).
+    The groups are quantised from their min and max (m_g = min, d_g = (max − min)/15) with d
+    and m in float16, as GGUF's Q4_1 does, so a tensor that came from a Q4_1 file is
+    represented again without new loss. Stored: `packed` [out, in/2] uint8 (q of input i of
+    a group in the low nibble, of input i + 16 in the high one), `d` and `m` [out, in/32].
+
+    The product, by where it runs:
+    - float32 on the CPU: hybridlm's kernel (`hybridlm.kernels`), which takes x in 8 bits per
+      group of 32 (a scale per group) and the offsets against the exact group sums of x;
+    - where that kernel cannot be built: PyTorch's int4 kernel, on its own copy of the
+      weights (`aten_packed`, for a multiple of 16 outputs) and x in bfloat16;
+    - elsewhere (another device, another dtype, or autograd through x): x Ŵᵀ with Ŵ
+      dequantised on the fly.
     """
 
     group = 32
@@ -74,33 +87,51 @@ class Int4Linear(DirectModule):
             raise InputError(f"int4 needs input widths divisible by {self.group}, got {inp}")
         w = weight.detach().float().contiguous().view(out, inp // self.group, self.group)
         lo, hi = w.amin(-1), w.amax(-1)
-        d = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-        q = torch.round((w - lo[..., None]) / d[..., None]).clamp(0, 15).to(torch.int32).view(out, inp)
-        self.cpu_packed = _int4_kernel() and weight.device.type == "cpu"  # the fused kernel's own layout
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)
-                             if self.cpu_packed else q.to(torch.uint8))
-        scales_and_zeros = torch.stack([d, lo + 8 * d], dim=-1).transpose(0, 1).contiguous()  # [groups, out, 2]
-        self.register_buffer("scales_and_zeros", scales_and_zeros.to(_MATMUL_DTYPE))
+        d = ((hi - lo) / 15).clamp_min(2.0**-24).half()  # float16's least step: a flat group keeps d > 0
+        m = lo.half()
+        if not (torch.isfinite(d).all() and torch.isfinite(m).all()):
+            raise InputError(f"int4: weights up to {float(w.abs().max()):.3g} exceed float16's range of scales "
+                             f"and offsets (±65504)")
+        q = torch.round((w - m.float()[..., None]) / d.float()[..., None]).clamp(0, 15).to(torch.uint8)
+        self.register_buffer("packed", (q[..., :16] | (q[..., 16:] << 4)).view(out, inp // 2).contiguous())
+        self.register_buffer("d", d.contiguous())
+        self.register_buffer("m", m.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.out_features, self.in_features = out, inp
+        self.register_buffer("aten_packed", None)
+        self.register_buffer("scales_and_zeros", None)
+        if weight.device.type == "cpu" and kernels.int4() is None:
+            kernels.warn_unavailable()
+        if weight.device.type == "cpu" and kernels.int4() is None and _aten_int4_kernel() and out % 16 == 0:
+            # PyTorch's layout: Ŵ = (q − 8)·d + z with z = m + 8d, scales and zeros [groups, out, 2]
+            self.aten_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out, inp).int(), 8)
+            self.scales_and_zeros = torch.stack([d.float(), m.float() + 8 * d.float()], -1).transpose(0, 1) \
+                .contiguous().to(_MATMUL_DTYPE)
+
+    def q(self) -> torch.Tensor:
+        """The 4-bit codes q [out, in/32, 32]."""
+        p = self.packed.view(self.out_features, -1, 16)
+        return torch.cat([p & 0x0F, p >> 4], dim=-1)
 
     @property
     def weight(self) -> torch.Tensor:
-        eye = torch.eye(self.in_features, dtype=_MATMUL_DTYPE)
-        return self.product(eye).float().T
-
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_packed:
-            if x.device.type != "cpu":
-                raise InputError("this int4 layer was packed for the CPU kernel: quantise after moving the model")
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_zeros)
-        d, z = self.scales_and_zeros.unbind(-1)  # [groups, out]
-        q = self.packed.to(x.dtype).view(self.out_features, -1, self.group)
-        w = (q - 8) * d.T[..., None].to(x.dtype) + z.T[..., None].to(x.dtype)
-        return x @ w.view(self.out_features, self.in_features).T
+        """Ŵ = d q + m in float32 (for analysis, and the product off the CPU)."""
+        w = self.d.float()[..., None] * self.q().float() + self.m.float()[..., None]
+        return w.view(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _affine(self, x)
+        kernel = kernels.int4()
+        if kernel is not None and x.dtype == torch.float32 and x.is_cpu and not (
+                x.requires_grad and torch.is_grad_enabled()):
+            return kernel.affine(x, self.packed, self.d, self.m, self.bias)
+        if self.aten_packed is not None and x.is_cpu and not x.requires_grad:
+            return _affine(self, x)
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype), b)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x Ŵᵀ by PyTorch's int4 kernel (x in bfloat16), for `_affine`."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.aten_packed, self.group, self.scales_and_zeros)
 
 
 class RefinedReadout(DirectModule):
@@ -126,7 +157,7 @@ class RefinedReadout(DirectModule):
 
 
 def _affine(layer, x: torch.Tensor) -> torch.Tensor:
-    """The quantised product in bfloat16, everything around it (residual stream, norms,
+    """A PyTorch quantised product in bfloat16, everything around it (residual stream, norms,
     attention, the state) in the model's own dtype."""
     shape = x.shape
     y = layer.product(x.reshape(-1, shape[-1]).to(_MATMUL_DTYPE)).to(x.dtype)
@@ -135,7 +166,7 @@ def _affine(layer, x: torch.Tensor) -> torch.Tensor:
     return y.view(*shape[:-1], layer.out_features)
 
 
-def _int4_kernel() -> bool:
+def _aten_int4_kernel() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
@@ -143,9 +174,10 @@ def set_precision(model, precision: str):
     """Convert a loaded float32 model in place to one of PRECISIONS; returns the model.
 
     bfloat16: every weight and activation in bfloat16. int8 / int4: the weights of every
-    affine map quantised, the products computed from bfloat16 inputs, and everything else
-    (residual stream, norms, attention, the KV state) left in float32; the unembedding is
-    quantised the same way, with its k leading logits recomputed exactly (`RefinedReadout`).
+    affine map quantised (the products' inputs as `Int8Linear` and `Int4Linear` say), and
+    everything else (residual stream, norms, attention, the KV state) left in float32; the
+    unembedding is quantised the same way, with its k leading logits recomputed exactly
+    (`RefinedReadout`).
     """
     if precision not in PRECISIONS:
         raise InputError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
