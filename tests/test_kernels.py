@@ -217,12 +217,28 @@ def test_a_failed_build_is_named_and_the_path_still_works(fresh, monkeypatch):
 
 
 @requires_kernel
-def test_the_kernel_shares_pytorchs_openmp_runtime():
-    """One OpenMP runtime in the process: the kernel's loops run on PyTorch's own pool."""
+def test_torch_set_num_threads_governs_the_kernel():
+    """The kernel's loops run on PyTorch's own OpenMP runtime: its team follows
+    torch.set_num_threads (a second runtime would keep its own count, and its own pool)."""
+    k, threads = kernels.int4(), torch.get_num_threads()
+    if kernels._torch_openmp() is None:
+        pytest.skip("PyTorch here maps no OpenMP runtime")
     try:
-        maps = open("/proc/self/maps").read()
-    except OSError:
-        pytest.skip("no /proc/self/maps here")
-    runtimes = {line.split()[-1] for line in maps.splitlines()
-                if "/" in line and line.split()[-1].rsplit("/", 1)[-1].startswith(("libgomp", "libiomp5", "libomp"))}
-    assert len(runtimes) <= 1, runtimes
+        for n in (1, 3, 2):
+            torch.set_num_threads(n)
+            assert k.team() == n
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_damaged_cache_file_is_built_again(fresh, monkeypatch):
+    k = kernels.int4()
+    if k is None:
+        pytest.skip(kernels.int4_status())
+    other = fresh / "other"  # (a path this process has not loaded yet)
+    damaged = other / "kernels" / k.path.name
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"not a shared library")
+    monkeypatch.setenv("HYBRIDLM_CACHE", str(other))
+    kernels._state.clear()
+    assert kernels.int4().path == damaged and damaged.read_bytes()[:4] == b"\x7fELF"

@@ -60,6 +60,7 @@ class Int4Kernel:
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
         self.vectorised = bool(lib.hybridlm_int4_vectorised())
+        self.team = lib.hybridlm_int4_team  # () -> the threads its loops get (PyTorch's count)
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._affine = lib.hybridlm_int4_affine
         self._affine.argtypes = [p, i64, i64, p, p, p, p, i64, p]
@@ -147,8 +148,12 @@ def _load() -> Int4Kernel:
         _build(compiler, flags, runtime, target)
     try:
         return Int4Kernel(ctypes.CDLL(str(target)), target)
-    except OSError as exc:
-        raise _Unavailable(f"could not load {target.name}: {exc}") from None
+    except (OSError, AttributeError):  # a damaged cache file: built again, once
+        _build(compiler, flags, runtime, target)
+    try:
+        return Int4Kernel(ctypes.CDLL(str(target)), target)
+    except (OSError, AttributeError) as exc:
+        raise _Unavailable(f"could not load {target}: {exc}") from None
 
 
 def _build(compiler: str, flags: list[str], runtime: Path | None, target: Path) -> None:

@@ -22,6 +22,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define HYBRIDLM_AVX2 1
@@ -34,6 +38,15 @@ int hybridlm_int4_vectorised(void) {
     return 1;
 #else
     return 0;
+#endif
+}
+
+/* The team size the kernel's loops get: the OpenMP runtime's, which is PyTorch's (1 without OpenMP). */
+int hybridlm_int4_team(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
 #endif
 }
 
