@@ -21,7 +21,7 @@ from hybridlm.errors import InputError
 from hybridlm.quantize import Int4Linear, _aten_int4_kernel, set_precision
 
 F64 = torch.float64
-requires_kernel = pytest.mark.skipif(kernels.int4() is None, reason=f"int4 kernel unavailable: {kernels.int4_status()}")
+requires_kernel = pytest.mark.skipif(kernels.library() is None, reason=f"kernels unavailable: {kernels.status()}")
 
 
 def closed_form(lin: Int4Linear) -> torch.Tensor:
@@ -113,6 +113,19 @@ def test_smollm2_q4_1_tensors_are_the_gguf_files_own(smollm2):
             assert torch.equal(Int4Linear(W, None).weight, W)
 
 
+def test_dtype_conversions_leave_the_codes_and_scales_alone():
+    """`.double()`, `.half()`, `.to(bfloat16)` convert floating buffers; the int4 layer keeps
+    its codes and the bits of its float16 scales as integers, so it computes the same map."""
+    W, b = weights(32, 64, 4)
+    lin = Int4Linear(W, b)
+    x = inputs(3, 64, 4)
+    y = lin(x)
+    for twin in (copy.deepcopy(lin).double(), copy.deepcopy(lin).half(), copy.deepcopy(lin).to(torch.bfloat16)):
+        assert torch.equal(twin.d, lin.d) and torch.equal(twin.m, lin.m) and torch.equal(twin.packed, lin.packed)
+        assert torch.allclose(twin(x.to(twin.bias.dtype)).float(), y, rtol=2e-2, atol=0.3)
+    assert torch.equal(copy.deepcopy(lin).double().float()(x), y)  # (float64 holds the bias exactly)
+
+
 def test_weights_beyond_float16_are_an_input_error():
     with pytest.raises(InputError, match="float16's range"):
         Int4Linear(torch.full((4, 32), 1e6) * torch.arange(32.0), None)
@@ -146,8 +159,9 @@ def test_every_product_path_is_the_same_map(monkeypatch):
         assert ((lin(x).to(F64) - ref).abs() <= gamma + input_bound(lin, x)).all()
     if _aten_int4_kernel():
         monkeypatch.setattr(kernels, "_state", {"why": "a test's choice"})
+        monkeypatch.setattr(kernels, "library", lambda: None)
         monkeypatch.setattr(kernels, "int4", lambda: None)
-        with pytest.warns(UserWarning, match="int4 kernel is unavailable"):
+        with pytest.warns(UserWarning, match="kernels are unavailable"):
             aten = Int4Linear(W, b)
         assert aten.aten_packed is not None
         bf16 = 2.0**-8 * ((x.abs().to(F64) @ W_hat.abs().T) + ref.abs()) * 1.1 + gamma
@@ -168,6 +182,104 @@ def test_an_int4_model_pickles_and_copies(smollm2):
         assert torch.equal(twin(ids), ref)
 
 
+# ---------------------------------------------------------------------- decode attention
+def attention_case(B, H, H_kv, d, n, rotary, window, scale, seed):
+    """An attention sublayer (W_O taken out, so its output is O) and two copies of a random
+    state holding n positions."""
+    from hybridlm.attention import Attention
+    from hybridlm.config import ModelConfig
+    from hybridlm.positions import Rotary
+    from hybridlm.state import KVState
+
+    cfg = ModelConfig(vocab_size=50, n_ctx=512, d_model=H * d, n_layer=1, n_head=H, n_kv_head=H_kv,
+                      positions="rotary" if rotary else "learned", attn_scale=scale,
+                      attention_layers=("local",) if window else None, local_window=window or 256)
+    g = torch.Generator().manual_seed(seed)
+    attn = Attention(cfg, 0)
+    with torch.no_grad():
+        attn.W_qkv.weight.copy_(torch.randn(attn.W_qkv.weight.shape, generator=g) / d**0.5)
+        attn.W_qkv.bias.copy_(torch.randn(attn.W_qkv.bias.shape, generator=g))
+    attn.W_O = torch.nn.Identity()
+    states = []
+    for _ in range(2):
+        x = KVState(cfg, B, capacity=n + 1)
+        x.kv[..., :n, :] = torch.randn(x.kv[..., :n, :].shape, generator=torch.Generator().manual_seed(seed + 1))
+        x.n = n
+        states.append(x)
+    z = torch.randn(B, 1, H * d, generator=g)
+    return attn, (Rotary(cfg) if rotary else None), states, z
+
+
+def closed_form_attention(attn, rotary, state, z, n):
+    """O of one decode step in float64 from the state's rows 0..n−1 and the new row."""
+    B, H, H_kv, d = z.shape[0], attn.n_head, attn.n_kv_head, attn.d_head
+    heads = attn.W_qkv(z).view(B, H + 2 * H_kv, d).to(F64)
+    q, k, v = heads[:, :H], heads[:, H:H + H_kv], heads[:, H + H_kv:]
+    if rotary is not None:
+        cos, sin = rotary.cos[n].to(F64), rotary.sin[n].to(F64)
+        swap = lambda t: torch.cat([t[..., d // 2:], t[..., : d // 2]], -1)  # noqa: E731
+        q, k = q * cos + swap(q) * sin, k * cos + swap(k) * sin
+    K = torch.cat([state.kv[0, 0, :, :, :n].to(F64), k[:, :, None]], 2)  # [B, H_kv, n + 1, d]
+    V = torch.cat([state.kv[0, 1, :, :, :n].to(F64), v[:, :, None]], 2)
+    start = n + 1 - attn.window if attn.window is not None and n + 1 > attn.window else 0
+    K, V = K[:, :, start:], V[:, :, start:]
+    group = H // H_kv
+    Kq, Vq = K.repeat_interleave(group, 1), V.repeat_interleave(group, 1)  # [B, H, keys, d]
+    s = (q[:, :, None] * Kq).sum(-1) * attn.scale  # [B, H, keys]
+    o = (torch.softmax(s, -1)[..., None] * Vq).sum(-2)  # [B, H, d]
+    terms = (q[:, :, None].abs() * Kq.abs()).sum(-1) * attn.scale  # Σ |q_i K_ti| · scale
+    return o.reshape(B, 1, H * d), terms.amax(), V.abs().amax(), K.shape[2]
+
+
+@requires_kernel
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 3), shape=st.sampled_from([(4, 4, 8), (4, 2, 16), (6, 3, 64), (4, 1, 72), (2, 2, 12)]),
+       n=st.integers(0, 200), rotary=st.booleans(), window=st.sampled_from([None, 1, 40]),
+       scale=st.sampled_from([None, 1.0]), seed=st.integers(0, 10**6))
+def test_decode_attention_is_the_closed_form(B, shape, n, rotary, window, scale, seed):
+    """The compiled decode step and PyTorch's path each give O within float32 rounding of
+    its float64 closed form, and write the same bits into the state (the rotation is the
+    same rounded products and sum)."""
+    H, H_kv, d = shape
+    attn, rot, (x_fast, x_ref), z = attention_case(B, H, H_kv, d, n, rotary, window, scale, seed)
+    pos = torch.tensor([n])
+    with torch.no_grad():
+        fast = attn(z, pos, x_fast, rot)
+        attn.hook_z.fns.append(lambda t, h: None)  # any attention hook: PyTorch's path
+        ref = attn(z, pos, x_ref, rot)
+        attn.hook_z.fns.clear()
+        o64, terms, v_max, keys = closed_form_attention(attn, rot, x_ref, z, n)
+    assert torch.equal(x_fast.kv, x_ref.kv)
+    score_err = (d + 4) * 2.0**-24 * terms  # q·k in float32, and q rotated in float32
+    bound = (2.2 * score_err + 1e-6 + (keys + 2) * 2.0**-24) * v_max  # softmax's spread; exp; the sum
+    for o in (fast, ref):
+        assert ((o.to(F64) - o64).abs() <= bound).all()
+
+
+@requires_kernel
+def test_decode_attention_falls_back_where_it_does_not_apply(monkeypatch):
+    """A hook on q, k, v, S, A or z, or a state buffer that is not contiguous, takes
+    PyTorch's path (the compiled step is never called), with the same result."""
+    attn, rot, (x1, x2), z = attention_case(1, 4, 2, 16, 30, True, None, None, 0)
+    pos = torch.tensor([30])
+    with torch.no_grad():
+        ref = attn(z, pos, x1, rot)
+    monkeypatch.setattr(kernels, "decode_attention", lambda: pytest.fail("the compiled step ran"))
+    for name in ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z"):
+        getattr(attn, name).fns.append(lambda t, h: None)
+        y = x2.clone()
+        with torch.no_grad():
+            assert torch.allclose(attn(z, pos, y, rot), ref, atol=1e-5)
+        getattr(attn, name).fns.clear()
+    monkeypatch.undo()
+    strided = x2.clone()
+    buf = strided.kv.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, other strides
+    strided.kv = buf
+    assert not strided.layer_buffers(0)[0].is_contiguous()
+    with torch.no_grad():
+        assert torch.allclose(attn(z, pos, strided, rot), ref, atol=1e-5)
+
+
 # ---------------------------------------------------------------------- build and threads
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
@@ -177,41 +289,43 @@ def fresh(monkeypatch, tmp_path):
     return tmp_path
 
 
-def test_the_kernel_is_built_once_into_the_cache(fresh):
-    k = kernels.int4()
-    if k is None:
-        pytest.skip(kernels.int4_status())
-    assert k.path.parent == fresh / "kernels" and k.path.exists()
-    assert "hybridlm's int4 kernel" in kernels.int4_status()
-    stamp = k.path.stat().st_mtime_ns
+def test_the_library_is_built_once_into_the_cache(fresh):
+    lib = kernels.library()
+    if lib is None:
+        pytest.skip(kernels.status())
+    assert lib.path.parent == fresh / "kernels" and lib.path.exists()
+    assert "hybridlm's kernels" in kernels.status()
+    stamp = lib.path.stat().st_mtime_ns
     kernels._state.clear()
-    assert kernels.int4().path == k.path and k.path.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert kernels.library().path == lib.path and lib.path.stat().st_mtime_ns == stamp  # reused, not rebuilt
 
 
-def test_torch_can_be_chosen_and_a_bad_choice_is_named(fresh, monkeypatch):
-    monkeypatch.setenv("HYBRIDLM_INT4_KERNEL", "torch")
-    assert kernels.int4() is None and "HYBRIDLM_INT4_KERNEL=torch" in kernels.int4_status()
+def test_pytorch_paths_can_be_chosen_and_a_bad_choice_is_named(fresh, monkeypatch):
+    monkeypatch.setenv("HYBRIDLM_KERNELS", "off")
+    assert kernels.int4() is None and kernels.decode_attention() is None
+    assert "HYBRIDLM_KERNELS=off" in kernels.status()
     kernels._state.clear()
-    monkeypatch.setenv("HYBRIDLM_INT4_KERNEL", "fast")
-    with pytest.raises(InputError, match="HYBRIDLM_INT4_KERNEL='fast'"):
-        kernels.int4()
+    monkeypatch.setenv("HYBRIDLM_KERNELS", "fast")
+    with pytest.raises(InputError, match="HYBRIDLM_KERNELS='fast'"):
+        kernels.library()
 
 
 def test_without_a_compiler_the_path_falls_back(fresh, monkeypatch):
     monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
-    assert kernels.int4() is None and "no C compiler" in kernels.int4_status()
+    assert kernels.library() is None and "no C compiler" in kernels.status()
 
 
 def test_a_failed_build_is_named_and_the_path_still_works(fresh, monkeypatch):
-    broken = fresh / "int4.c"
-    broken.write_text("this is not C\n")
-    monkeypatch.setattr(kernels, "_SOURCE", broken)
+    (fresh / "src").mkdir()
+    (fresh / "src" / "int4.c").write_text("this is not C\n")
+    (fresh / "src" / "attention.c").write_text((kernels._folder() / "attention.c").read_text())
+    monkeypatch.setattr(kernels, "_folder", lambda: fresh / "src")
     if kernels.shutil.which("cc") is None and kernels.shutil.which("gcc") is None:
         pytest.skip("no C compiler here")
     W, b = weights(8, 64, 0)
     with pytest.warns(UserWarning, match="build failed"):
         lin = Int4Linear(W, b)  # on PyTorch's kernel, or the dequantised product
-    assert kernels.int4() is None and "build failed" in kernels.int4_status()
+    assert kernels.library() is None and "build failed" in kernels.status()
     x = inputs(2, 64, 0)
     assert torch.allclose(lin(x), x @ lin.weight.T + b, rtol=2e-2, atol=0.2)
 
@@ -220,7 +334,7 @@ def test_a_failed_build_is_named_and_the_path_still_works(fresh, monkeypatch):
 def test_torch_set_num_threads_governs_the_kernel():
     """The kernel's loops run on PyTorch's own OpenMP runtime: its team follows
     torch.set_num_threads (a second runtime would keep its own count, and its own pool)."""
-    k, threads = kernels.int4(), torch.get_num_threads()
+    k, threads = kernels.library(), torch.get_num_threads()
     if kernels._torch_openmp() is None:
         pytest.skip("PyTorch here maps no OpenMP runtime")
     try:
@@ -232,13 +346,13 @@ def test_torch_set_num_threads_governs_the_kernel():
 
 
 def test_a_damaged_cache_file_is_built_again(fresh, monkeypatch):
-    k = kernels.int4()
+    k = kernels.library()
     if k is None:
-        pytest.skip(kernels.int4_status())
+        pytest.skip(kernels.status())
     other = fresh / "other"  # (a path this process has not loaded yet)
     damaged = other / "kernels" / k.path.name
     damaged.parent.mkdir(parents=True)
     damaged.write_bytes(b"not a shared library")
     monkeypatch.setenv("HYBRIDLM_CACHE", str(other))
     kernels._state.clear()
-    assert kernels.int4().path == damaged and damaged.read_bytes()[:4] == b"\x7fELF"
+    assert kernels.library().path == damaged and damaged.read_bytes()[:4] == b"\x7fELF"

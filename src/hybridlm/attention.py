@@ -16,7 +16,9 @@ W_qkv; `W_Q`, `W_K`, `W_V` give the per-equation views.
 When a KV state is passed the new keys and values are written into it and the queries
 attend over every position held so far, so a decode step costs O(n), not a recompute.
 The explicit scores and pattern are formed only when a hook asks for them; otherwise
-PyTorch's fused scaled-dot-product kernel computes the same O.
+PyTorch's fused scaled-dot-product kernel computes the same O. A decode step (one new row
+per sequence) with no hook on q, k, v, S, A or z runs as one compiled call where the
+library of `hybridlm.kernels` is built: rotation, state rows and attention together.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hybridlm import kernels
 from hybridlm.config import ModelConfig
 from hybridlm.hooks import DirectModule, HookPoint
 from hybridlm.linear import Linear
@@ -80,6 +83,10 @@ class Attention(DirectModule):
         B, m, _ = z.shape
         H, H_kv = self.n_head, self.n_kv_head
         heads = self.W_qkv(z).view(B, m, H + 2 * H_kv, self.d_head)  # [B, pos, head, d_k]
+        if m == 1 and state is not None and heads.dtype == torch.float32 and heads.is_cpu and not self._watched():
+            o = self._decode_step(heads, state, rotary)
+            if o is not None:
+                return self.W_O(o)
         q, k, v = heads[:, :, :H], heads[:, :, H : H + H_kv], heads[:, :, H + H_kv :]
         q_in, k_in, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         if rotary is not None:  # q and k lie side by side in `heads`: one rotation for both
@@ -96,6 +103,28 @@ class Attention(DirectModule):
             o = self._fused(q, k, v, pos, window)
         o = self.hook_z(o.transpose(1, 2))
         return self.W_O(o.reshape(B, m, H * self.d_head))
+
+    def _watched(self) -> bool:
+        """Whether a hook watches or replaces q, k, v, S, A or z (then every state is formed)."""
+        return bool(self.hook_q.fns or self.hook_k.fns or self.hook_v.fns or self.hook_attn_scores.fns
+                    or self.hook_pattern.fns or self.hook_z.fns)
+
+    def _decode_step(self, heads, state, rotary):
+        """One new row per sequence through the compiled decode step (hybridlm.kernels): the
+        same rotation, state rows and attention as the path below, in one call. None where
+        the library is missing or the state's buffer is not plain contiguous float32."""
+        step = kernels.decode_attention()
+        K, V = state.layer_buffers(self.layer)
+        if step is None or K.dtype != torch.float32 or not (K.is_contiguous() and V.is_contiguous()):
+            return None
+        cos = sin = None
+        if rotary is not None:
+            cos, sin = rotary.cos, rotary.sin
+            if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
+                return None
+        n = state.n
+        start = n + 1 - self.window if self.window is not None and n + 1 > self.window else 0
+        return step(heads.contiguous(), K, V, n, start, cos, sin, self.scale, self.n_kv_head)
 
     def _fused(self, q, k, v, pos, window):
         m, n_keys = q.shape[2], k.shape[2]

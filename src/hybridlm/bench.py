@@ -299,13 +299,13 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
     log(f"device {device} ({_device_name(device)}), {cfg.threads} threads, torch {torch.__version__}, "
         f"step BLAS {linear.BACKEND if device == 'cpu' else 'cuda'}, "
         f"model {exact.source}, {len(contenders)} contenders, {cfg.repeats} repeats")
-    int4_product = kernels.int4_status() if "int4" in reduced and device == "cpu" else None
-    if int4_product:
-        log(f"int4 product: {int4_product}")
+    kernels_used = kernels.status() if device == "cpu" else None
+    if kernels_used:
+        log(f"compiled kernels: {kernels_used}")
 
     report: dict = {
         "device": device, "device_name": _device_name(device), "threads": cfg.threads,
-        "step_blas": linear.BACKEND if device == "cpu" else "cuda", "int4_product": int4_product,
+        "step_blas": linear.BACKEND if device == "cpu" else "cuda", "kernels": kernels_used,
         "torch": torch.__version__, "python": platform.python_version(), "model": exact.source,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()},
         "contenders": {c.name: {"rss_load_mb": round(c.rss_mb, 1), "reference": c.reference} for c in contenders},

@@ -67,11 +67,13 @@ class Int4Linear(DirectModule):
     The groups are quantised from their min and max (m_g = min, d_g = (max − min)/15) with d
     and m in float16, as GGUF's Q4_1 does, so a tensor that came from a Q4_1 file is
     represented again without new loss. Stored: `packed` [out, in/2] uint8 (q of input i of
-    a group in the low nibble, of input i + 16 in the high one), `d` and `m` [out, in/32].
+    a group in the low nibble, of input i + 16 in the high one), and the bits of d and m
+    [out, in/32] as int16 (`d_bits`, `m_bits`: integers, so `.to(dtype)`, `.double()` or
+    `.half()` on the model leave them alone); `d` and `m` read them as float16.
 
     The product, by where it runs:
-    - float32 on the CPU: hybridlm's kernel (`hybridlm.kernels`), which takes x in 8 bits per
-      group of 32 (a scale per group) and the offsets against the exact group sums of x;
+    - float32 on the CPU: hybridlm's kernel (`hybridlm.kernels`), which takes x in 16 bits
+      per group of 32 (a scale per group) and the offsets against the exact group sums of x;
     - where that kernel cannot be built: PyTorch's int4 kernel, on its own copy of the
       weights (`aten_packed`, for a multiple of 16 outputs) and x in bfloat16;
     - elsewhere (another device, another dtype, or autograd through x): x Ŵᵀ with Ŵ
@@ -94,8 +96,8 @@ class Int4Linear(DirectModule):
                              f"and offsets (±65504)")
         q = torch.round((w - m.float()[..., None]) / d.float()[..., None]).clamp(0, 15).to(torch.uint8)
         self.register_buffer("packed", (q[..., :16] | (q[..., 16:] << 4)).view(out, inp // 2).contiguous())
-        self.register_buffer("d", d.contiguous())
-        self.register_buffer("m", m.contiguous())
+        self.register_buffer("d_bits", d.contiguous().view(torch.int16))
+        self.register_buffer("m_bits", m.contiguous().view(torch.int16))
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.out_features, self.in_features = out, inp
         self.register_buffer("aten_packed", None)
@@ -107,6 +109,16 @@ class Int4Linear(DirectModule):
             self.aten_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out, inp).int(), 8)
             self.scales_and_zeros = torch.stack([d.float(), m.float() + 8 * d.float()], -1).transpose(0, 1) \
                 .contiguous().to(_MATMUL_DTYPE)
+
+    @property
+    def d(self) -> torch.Tensor:
+        """The scales d [out, in/32] (float16)."""
+        return self.d_bits.view(torch.float16)
+
+    @property
+    def m(self) -> torch.Tensor:
+        """The offsets m [out, in/32] (float16)."""
+        return self.m_bits.view(torch.float16)
 
     def q(self) -> torch.Tensor:
         """The 4-bit codes q [out, in/32, 32]."""
@@ -121,9 +133,9 @@ class Int4Linear(DirectModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = kernels.int4()
-        if kernel is not None and x.dtype == torch.float32 and x.is_cpu and not (
+        if kernel is not None and x.dtype == torch.float32 and x.is_cpu and self.packed.is_cpu and not (
                 x.requires_grad and torch.is_grad_enabled()):
-            return kernel.affine(x, self.packed, self.d, self.m, self.bias)
+            return kernel.affine(x, self.packed, self.d_bits, self.m_bits, self.bias)
         if self.aten_packed is not None and x.is_cpu and not x.requires_grad:
             return _affine(self, x)
         b = None if self.bias is None else self.bias.to(x.dtype)

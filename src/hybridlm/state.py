@@ -85,6 +85,11 @@ class KVState:
         """V^{(ℓ,·)}_{1:n}: [B, N_kv, n, d_k]."""
         return self.kv[layer, 1, :, :, : self.n]
 
+    def layer_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of a layer over the whole capacity, [B, N_kv, capacity, d_k] each (views of
+        the contiguous buffer, for a step that writes row n itself)."""
+        return self._layers[layer]
+
     # ------------------------------------------------------------------ updates (used by F)
     @_ordinary
     def reserve(self, m: int) -> None:

@@ -1,7 +1,8 @@
-"""Compiled kernels: C sources built once per machine with the system's C compiler, loaded
-with ctypes.
+"""Compiled kernels: C sources built once per machine with the system's C compiler into one
+library, loaded with ctypes. Each has a PyTorch path beside it that computes the same map,
+taken wherever the library cannot be built or does not apply.
 
-`int4.c` is the product of the int4 path (`hybridlm.quantize.Int4Linear`). A decode step
+`int4.c`, the product of the int4 path (`hybridlm.quantize.Int4Linear`). A decode step
 reads every weight once; in 4 bits the step is bound less by memory than by how fast the
 nibbles turn into products. PyTorch's own int4 kernel (`_weight_int4pack_mm_for_cpu`)
 converts them to floats and took 63 % of an int4 decode step of SmolLM2-135M on an AVX2
@@ -10,20 +11,28 @@ with integer multiply-adds, against the input in 16 bits per group of 32 (one sc
 group: steps of 1/32767 of the group's largest entry, finer than the bfloat16 input that
 PyTorch's kernel reads). llama.cpp takes its input in 8 bits; here that cost the int4 path
 its agreement with float32 (94 % of greedy next tokens over 200 positions of SmolLM2,
-against 100 % in 16 bits, at the same speed). Its header states the map exactly.
+against 100 % in 16 bits, at the same speed).
+
+`attention.c`, one decode step of attention (`hybridlm.attention.Attention`, one new query
+row per sequence, no attention hook attached): rotary phases, the new key and value rows
+written into the state, and softmax(q Kᵀ · scale) V over the state, in one call. In PyTorch
+that is some 25 small operations and a fused attention kernel per layer, about a third of a
+SmolLM2 decode step on this kind of CPU, whose arithmetic is a few microseconds.
+
+Each source's header states its map exactly.
 
 Threads. The library is linked against the OpenMP runtime that PyTorch loaded (found in
 the process's memory map), so its parallel loops run on PyTorch's own intra-op pool and
 `torch.set_num_threads` governs them. A second OpenMP runtime would keep a second pool of
 spinning workers fighting PyTorch's for the cores.
 
-Build. On first use `cc` compiles the source (about a second) into
+Build. On first use `cc` compiles the sources (about two seconds) into
 `$HYBRIDLM_CACHE/kernels` (default `~/.cache/hybridlm/kernels`), under a name that hashes
-the source, the flags and the runtime, so a changed source or another machine's CPU gets
+the sources, the flags and the runtime, so a changed source or another machine's CPU gets
 its own build. AVX2, FMA and F16C are used where /proc/cpuinfo lists them; elsewhere the
-same sums run as plain C loops. Where no compiler is found or the build fails, `int4()`
-returns None (with the reason in `int4_status()`) and the int4 path keeps PyTorch's
-kernel. `HYBRIDLM_INT4_KERNEL=torch` chooses PyTorch's kernel outright.
+same sums run as plain C loops. Where no compiler is found or the build fails, `library()`
+returns None (with the reason in `status()`) and every caller keeps its PyTorch path.
+`HYBRIDLM_KERNELS=off` chooses the PyTorch paths outright.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ import torch
 from hybridlm.errors import InputError
 from hybridlm.linear import BLOCK_COLUMNS, STEP_ROWS, cpuinfo
 
-_SOURCE = Path(__file__).with_name("int4.c")
+_SOURCES = ("int4.c", "attention.c")  # in the folder of this module
 GROUP = 32  # inputs per scale and offset, as in a Q4_1 block
 
 
@@ -57,10 +66,7 @@ class Int4Kernel:
     in the kernel, 2 threads).
     """
 
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
-        self.path = path
-        self.vectorised = bool(lib.hybridlm_int4_vectorised())
-        self.team = lib.hybridlm_int4_team  # () -> the threads its loops get (PyTorch's count)
+    def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._affine = lib.hybridlm_int4_affine
         self._affine.argtypes = [p, i64, i64, p, p, p, p, i64, p]
@@ -71,9 +77,12 @@ class Int4Kernel:
 
     def affine(self, x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                b: torch.Tensor | None) -> torch.Tensor:
-        """x [..., K] float32 → [..., N]; packed [N, K/2] uint8, d and m [N, K/32] float16, b [N] or None."""
+        """x [..., K] float32 → [..., N]; packed [N, K/2] uint8, d and m [N, K/32] (the bits of
+        float16 numbers, any 2-byte dtype), b [N] or None; all contiguous on the CPU."""
         if not x.is_contiguous():
             x = x.contiguous()
+        if b is not None and b.dtype != torch.float32:
+            b = b.float()
         K, N = x.shape[-1], packed.shape[0]
         R = x.numel() // K if K else 0
         y = x.new_empty(x.shape[:-1] + (N,))
@@ -103,70 +112,128 @@ class Int4Kernel:
         return y
 
 
+class DecodeAttention:
+    """One decode step of attention through the compiled library (attention.c states the map)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._step = lib.hybridlm_decode_attention
+        self._step.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, ctypes.c_float, p]
+        self._step.restype = ctypes.c_int
+
+    def __call__(self, heads: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n: int, start: int,
+                 cos: torch.Tensor | None, sin: torch.Tensor | None, scale: float, n_kv_head: int) -> torch.Tensor:
+        """heads [B, 1, H + 2·H_kv, d] → o [B, 1, H·d]; writes row n of K and V [B, H_kv, cap, d].
+
+        cos and sin: the rotary tables [T, d] (their row n is used; None: no rotary); keys
+        start..n are read. Every tensor contiguous float32 on the CPU.
+        """
+        B, _, width, d = heads.shape
+        H = width - 2 * n_kv_head
+        out = heads.new_empty(B, 1, H * d)
+        row = 4 * d * n  # bytes to row n of a table
+        if self._step(heads.data_ptr(), B, H, n_kv_head, d, K.data_ptr(), V.data_ptr(), K.shape[2], n, start,
+                      None if cos is None else cos.data_ptr() + row, None if sin is None else sin.data_ptr() + row,
+                      scale, out.data_ptr()):
+            raise MemoryError(f"decode attention: no memory for the scores over {n + 1 - start} keys")
+        return out
+
+
+class Library:
+    """The loaded library and its kernels."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self.vectorised = bool(lib.hybridlm_vectorised())
+        self.team = lib.hybridlm_team  # () -> the threads its loops get (PyTorch's count)
+        self.int4 = Int4Kernel(lib)
+        self.decode_attention = DecodeAttention(lib)
+
+
 _state: dict = {}
 
 
-def int4() -> Int4Kernel | None:
-    """The compiled int4 kernel, built on first call; None where it cannot be used here."""
-    if "int4" not in _state:
+def library() -> Library | None:
+    """The compiled library, built on first call; None where it cannot be used here."""
+    if "library" not in _state:
         try:
-            _state["int4"], _state["why"] = _load(), "compiled"
+            _state["library"], _state["why"] = _load(), "compiled"
         except _Unavailable as exc:
-            _state["int4"], _state["why"] = None, str(exc)
-    return _state["int4"]
+            _state["library"], _state["why"] = None, str(exc)
+    return _state["library"]
 
 
-def int4_status() -> str:
-    """Which int4 product this process uses, and why (for reports and the bench)."""
-    k = int4()
-    if k is None:
-        return f"PyTorch's int4 kernel ({_state['why']})"
-    return f"hybridlm's int4 kernel ({'AVX2' if k.vectorised else 'portable C'}, 16-bit input per group of 32)"
+def int4() -> Int4Kernel | None:
+    """The int4 product, or None (then `Int4Linear` uses PyTorch's)."""
+    lib = library()
+    return None if lib is None else lib.int4
+
+
+def decode_attention() -> DecodeAttention | None:
+    """One decode step of attention, or None (then `Attention` uses PyTorch's)."""
+    lib = library()
+    return None if lib is None else lib.decode_attention
+
+
+def status() -> str:
+    """What this process computes with, and why (for reports and the bench)."""
+    lib = library()
+    if lib is None:
+        return f"PyTorch's kernels ({_state['why']})"
+    return (f"hybridlm's kernels ({'AVX2' if lib.vectorised else 'portable C'}): int4 product with 16-bit input "
+            f"per group of 32, decode attention")
 
 
 class _Unavailable(Exception):
     pass
 
 
-def _load() -> Int4Kernel:
-    choice = os.environ.get("HYBRIDLM_INT4_KERNEL", "auto").lower()
-    if choice not in ("auto", "hybridlm", "torch"):
-        raise InputError(f"HYBRIDLM_INT4_KERNEL={choice!r}: expected auto, hybridlm or torch")
-    if choice == "torch":
-        raise _Unavailable("HYBRIDLM_INT4_KERNEL=torch")
+def _load() -> Library:
+    choice = os.environ.get("HYBRIDLM_KERNELS", "auto").lower()
+    if choice not in ("auto", "off"):
+        raise InputError(f"HYBRIDLM_KERNELS={choice!r}: expected auto or off")
+    if choice == "off":
+        raise _Unavailable("HYBRIDLM_KERNELS=off")
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise _Unavailable("no C compiler found")
     runtime = _torch_openmp()
-    flags = ["-O3", "-fPIC", "-std=c11"] + _cpu_flags() + (["-fopenmp"] if runtime else [])
-    digest = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(flags).encode(),
+    flags = ["-O3", "-fPIC", "-std=c11", "-ffp-contract=off"] + _cpu_flags() + (["-fopenmp"] if runtime else [])
+    sources = [_folder() / name for name in _SOURCES]
+    digest = hashlib.sha256(b"\0".join([*(src.read_bytes() for src in sources), " ".join(flags).encode(),
                                         str(runtime).encode(), compiler.encode()])).hexdigest()[:16]
     from hybridlm.gguf_file import cache_root
 
-    target = cache_root() / "kernels" / f"int4-{digest}.so"
+    target = cache_root() / "kernels" / f"hybridlm-{digest}.so"
     if not target.exists():
-        _build(compiler, flags, runtime, target)
+        _build(compiler, flags, runtime, sources, target)
     try:
-        return Int4Kernel(ctypes.CDLL(str(target)), target)
+        return Library(ctypes.CDLL(str(target)), target)
     except (OSError, AttributeError):  # a damaged cache file: built again, once
-        _build(compiler, flags, runtime, target)
+        _build(compiler, flags, runtime, sources, target)
     try:
-        return Int4Kernel(ctypes.CDLL(str(target)), target)
+        return Library(ctypes.CDLL(str(target)), target)
     except (OSError, AttributeError) as exc:
         raise _Unavailable(f"could not load {target}: {exc}") from None
 
 
-def _build(compiler: str, flags: list[str], runtime: Path | None, target: Path) -> None:
+def _folder() -> Path:
+    return Path(__file__).parent
+
+
+def _build(compiler: str, flags: list[str], runtime: Path | None, sources: list[Path], target: Path) -> None:
     """Compile and link into `target` atomically (a temporary file, then a rename)."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            obj, lib = Path(tmp) / "int4.o", Path(tmp) / "int4.so"
+            objects = [Path(tmp) / f"{src.stem}.o" for src in sources]
+            lib = Path(tmp) / "hybridlm.so"
             # Linked with the runtime file itself (not -fopenmp, which would add the system's
             # libgomp): the library then needs the runtime PyTorch has already loaded.
             link = [str(runtime), f"-Wl,-rpath,{runtime.parent}"] if runtime else []
-            for cmd in ([compiler, *flags, "-c", str(_SOURCE), "-o", str(obj)],
-                        [compiler, "-shared", str(obj), "-o", str(lib), *link, "-lm"]):
+            steps = [[compiler, *flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(sources, objects)]
+            steps.append([compiler, "-shared", *map(str, objects), "-o", str(lib), *link, "-lm"])
+            for cmd in steps:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
                 if done.returncode:
                     raise _Unavailable(f"build failed: {' '.join(cmd)}: {done.stderr.strip()[-400:]}")
@@ -200,10 +267,10 @@ def _cpu_flags() -> list[str]:
 
 def warn_unavailable() -> None:
     """Say once, where a user asked for int4, that a slower product stands in for the kernel."""
-    if _state.get("warned") or int4() is not None:
+    if _state.get("warned") or library() is not None:
         return
     why = _state.get("why", "not loaded")
-    if why != "HYBRIDLM_INT4_KERNEL=torch":
+    if why != "HYBRIDLM_KERNELS=off":
         _state["warned"] = True
-        warnings.warn(f"hybridlm: the int4 kernel is unavailable ({why}); the int4 path falls back to a slower "
-                      "product", stacklevel=3)
+        warnings.warn(f"hybridlm: the compiled kernels are unavailable ({why}); the int4 path falls back to a "
+                      "slower product", stacklevel=3)

@@ -33,7 +33,7 @@
 
 enum { GROUP = 32, TILE = 4 };
 
-int hybridlm_int4_vectorised(void) {
+int hybridlm_vectorised(void) {
 #ifdef HYBRIDLM_AVX2
     return 1;
 #else
@@ -42,7 +42,7 @@ int hybridlm_int4_vectorised(void) {
 }
 
 /* The team size the kernel's loops get: the OpenMP runtime's, which is PyTorch's (1 without OpenMP). */
-int hybridlm_int4_team(void) {
+int hybridlm_team(void) {
 #ifdef _OPENMP
     return omp_get_max_threads();
 #else
