@@ -231,25 +231,55 @@ def closed_form_attention(attn, rotary, state, z, n):
     return o.reshape(B, 1, H * d), terms.amax(), V.abs().amax(), K.shape[2]
 
 
+ATTENTION_HOOKS = ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z")
+
+
+def run_attention(attn, rot, x, z, n, *, hooks=None, pytorch=False, monkeypatch=None):
+    """O of one decode step: the compiled call, the compiled stages (with `hooks`), or PyTorch's path."""
+    for name, fn in (hooks or {}).items():
+        getattr(attn, name).fns.append(fn)
+    try:
+        if pytorch:
+            monkeypatch.setattr(kernels, "decode_attention", lambda: None)
+        with torch.no_grad():
+            return attn(z, torch.tensor([n]), x, rot)
+    finally:
+        for name in hooks or {}:
+            getattr(attn, name).fns.clear()
+        if pytorch:
+            monkeypatch.undo()
+
+
 @requires_kernel
 @settings(max_examples=40, deadline=None)
 @given(B=st.integers(1, 3), shape=st.sampled_from([(4, 4, 8), (4, 2, 16), (6, 3, 64), (4, 1, 72), (2, 2, 12)]),
        n=st.integers(0, 200), rotary=st.booleans(), window=st.sampled_from([None, 1, 40]),
        scale=st.sampled_from([None, 1.0]), seed=st.integers(0, 10**6))
 def test_decode_attention_is_the_closed_form(B, shape, n, rotary, window, scale, seed):
-    """The compiled decode step and PyTorch's path each give O within float32 rounding of
-    its float64 closed form, and write the same bits into the state (the rotation is the
-    same rounded products and sum)."""
+    """The compiled step, its stages with observing hooks, and PyTorch's path each give O
+    within float32 rounding of its float64 closed form. The stages give the one call's bits,
+    and every path writes the same bits into the state (the rotation is the same rounded
+    products and sum)."""
     H, H_kv, d = shape
     attn, rot, (x_fast, x_ref), z = attention_case(B, H, H_kv, d, n, rotary, window, scale, seed)
-    pos = torch.tensor([n])
+    x_staged = x_ref.clone()
+    seen = {}
+
+    def watch_one(name):
+        def watch(t, hook):
+            seen[name] = t.clone()  # (returns None: the state is only watched)
+        return watch
+
+    watch = {name: watch_one(name) for name in ATTENTION_HOOKS}
+    with pytest.MonkeyPatch.context() as mp:
+        fast = run_attention(attn, rot, x_fast, z, n)
+        staged = run_attention(attn, rot, x_staged, z, n, hooks=watch)
+        ref = run_attention(attn, rot, x_ref, z, n, pytorch=True, monkeypatch=mp)
+    assert torch.equal(staged, fast) and torch.equal(x_staged.kv, x_fast.kv) and torch.equal(x_ref.kv, x_fast.kv)
+    assert seen["hook_attn_scores"].shape == seen["hook_pattern"].shape == (B, H, 1, n + 1)
+    assert torch.allclose(seen["hook_pattern"].sum(-1), torch.ones(()), atol=1e-6)
     with torch.no_grad():
-        fast = attn(z, pos, x_fast, rot)
-        attn.hook_z.fns.append(lambda t, h: None)  # any attention hook: PyTorch's path
-        ref = attn(z, pos, x_ref, rot)
-        attn.hook_z.fns.clear()
         o64, terms, v_max, keys = closed_form_attention(attn, rot, x_ref, z, n)
-    assert torch.equal(x_fast.kv, x_ref.kv)
     score_err = (d + 4) * 2.0**-24 * terms  # q·k in float32, and q rotated in float32
     bound = (2.2 * score_err + 1e-6 + (keys + 2) * 2.0**-24) * v_max  # softmax's spread; exp; the sum
     for o in (fast, ref):
@@ -257,27 +287,36 @@ def test_decode_attention_is_the_closed_form(B, shape, n, rotary, window, scale,
 
 
 @requires_kernel
+@pytest.mark.parametrize("name", ATTENTION_HOOKS)
+def test_replacing_hooks_act_as_on_pytorchs_path(name, monkeypatch):
+    """A hook that replaces q, k, v, S, A or z drives the compiled stages as it drives
+    PyTorch's path: the same output and the same state rows."""
+    attn, rot, (x1, x2), z = attention_case(2, 4, 2, 16, 30, True, 8, None, 1)
+
+    def replace(t, hook):
+        if name == "hook_pattern":  # uniform attention over every key, the window's mask ignored
+            return torch.full_like(t, 1.0 / t.shape[-1])
+        if name == "hook_attn_scores":
+            return t.flip(-1)
+        return t * 0.5 + 1.0
+
+    compiled = run_attention(attn, rot, x1, z, 30, hooks={name: replace})
+    ref = run_attention(attn, rot, x2, z, 30, hooks={name: replace}, pytorch=True, monkeypatch=monkeypatch)
+    assert torch.allclose(compiled, ref, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(x1.kv, x2.kv, atol=1e-6)
+
+
+@requires_kernel
 def test_decode_attention_falls_back_where_it_does_not_apply(monkeypatch):
-    """A hook on q, k, v, S, A or z, or a state buffer that is not contiguous, takes
-    PyTorch's path (the compiled step is never called), with the same result."""
+    """A state buffer that is not contiguous takes PyTorch's path (the compiled step never
+    runs), with the same result."""
     attn, rot, (x1, x2), z = attention_case(1, 4, 2, 16, 30, True, None, None, 0)
-    pos = torch.tensor([30])
-    with torch.no_grad():
-        ref = attn(z, pos, x1, rot)
-    monkeypatch.setattr(kernels, "decode_attention", lambda: pytest.fail("the compiled step ran"))
-    for name in ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z"):
-        getattr(attn, name).fns.append(lambda t, h: None)
-        y = x2.clone()
-        with torch.no_grad():
-            assert torch.allclose(attn(z, pos, y, rot), ref, atol=1e-5)
-        getattr(attn, name).fns.clear()
-    monkeypatch.undo()
+    ref = run_attention(attn, rot, x1, z, 30)
     strided = x2.clone()
-    buf = strided.kv.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, other strides
-    strided.kv = buf
+    strided.kv = strided.kv.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, other strides
     assert not strided.layer_buffers(0)[0].is_contiguous()
-    with torch.no_grad():
-        assert torch.allclose(attn(z, pos, strided, rot), ref, atol=1e-5)
+    monkeypatch.setattr(kernels.DecodeAttention, "__call__", lambda *a: pytest.fail("the compiled step ran"))
+    assert torch.allclose(run_attention(attn, rot, strided, z, 30), ref, atol=1e-5)
 
 
 # ---------------------------------------------------------------------- build and threads

@@ -83,10 +83,10 @@ class Attention(DirectModule):
         B, m, _ = z.shape
         H, H_kv = self.n_head, self.n_kv_head
         heads = self.W_qkv(z).view(B, m, H + 2 * H_kv, self.d_head)  # [B, pos, head, d_k]
-        if m == 1 and state is not None and heads.dtype == torch.float32 and heads.is_cpu and not self._watched():
-            o = self._decode_step(heads, state, rotary)
+        if m == 1 and state is not None and heads.dtype == torch.float32 and heads.is_cpu:
+            o = self._decode_step(heads, state, rotary)  # O [B, 1, H, d]
             if o is not None:
-                return self.W_O(o)
+                return self.W_O(o.reshape(B, 1, H * self.d_head))
         q, k, v = heads[:, :, :H], heads[:, :, H : H + H_kv], heads[:, :, H + H_kv :]
         q_in, k_in, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         if rotary is not None:  # q and k lie side by side in `heads`: one rotation for both
@@ -111,8 +111,10 @@ class Attention(DirectModule):
 
     def _decode_step(self, heads, state, rotary):
         """One new row per sequence through the compiled decode step (hybridlm.kernels): the
-        same rotation, state rows and attention as the path below, in one call. None where
-        the library is missing or the state's buffer is not plain contiguous float32."""
+        same rotation, state rows and attention as the PyTorch path, in one call; with a hook
+        on q, k, v, S, A or z, in stages with the hook points between them (observing hooks
+        change no bit). None where the library is missing or the state's buffer or the
+        rotary tables are not plain contiguous float32."""
         step = kernels.decode_attention()
         K, V = state.layer_buffers(self.layer)
         if step is None or K.dtype != torch.float32 or not (K.is_contiguous() and V.is_contiguous()):
@@ -124,7 +126,17 @@ class Attention(DirectModule):
                 return None
         n = state.n
         start = n + 1 - self.window if self.window is not None and n + 1 > self.window else 0
-        return step(heads.contiguous(), K, V, n, start, cos, sin, self.scale, self.n_kv_head)
+        if not self._watched():
+            return step(heads.contiguous(), K, V, n, start, cos, sin, self.scale, self.n_kv_head)
+        H, H_kv = self.n_head, self.n_kv_head
+        q, k, v = self.hook_q(heads[:, :, :H]), self.hook_k(heads[:, :, H:H + H_kv]), self.hook_v(heads[:, :, H + H_kv:])
+        q = step.rows(q, k, v, K, V, n, cos, sin)
+        scores = step.scores(q, K, n, start, self.scale)
+        hooked = self.hook_attn_scores(scores)
+        first = start if hooked is scores else 0  # a replaced S may weigh any key
+        pattern = step.pattern(hooked, first)
+        hooked_pattern = self.hook_pattern(pattern)
+        return self.hook_z(step.output(hooked_pattern, V, n, first if hooked_pattern is pattern else 0))
 
     def _fused(self, q, k, v, pos, window):
         m, n_keys = q.shape[2], k.shape[2]

@@ -113,30 +113,78 @@ class Int4Kernel:
 
 
 class DecodeAttention:
-    """One decode step of attention through the compiled library (attention.c states the map)."""
+    """One decode step of attention through the compiled library (attention.c states the map):
+    in one call (`__call__`), or in stages between which hooks may look and replace (`rows`,
+    `scores`, `pattern`, `output`; with nothing replaced they give the one call's bits).
+
+    Every tensor is contiguous float32 on the CPU; K and V are a layer's [B, H_kv, cap, d]
+    buffers, cos and sin the rotary tables [T, d] whose row n is used (None: no rotary).
+    """
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._step = lib.hybridlm_decode_attention
-        self._step.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, ctypes.c_float, p]
-        self._step.restype = ctypes.c_int
+        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        self._step = _function(lib.hybridlm_decode_attention, [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, f32, p],
+                               ctypes.c_int)
+        self._rows = _function(lib.hybridlm_attention_rows, [p, p, p, i64, i64, i64, i64, p, p, i64, i64, p, p, p])
+        self._scores = _function(lib.hybridlm_attention_scores, [p, i64, i64, i64, i64, p, i64, i64, i64, f32, p])
+        self._pattern = _function(lib.hybridlm_attention_pattern, [p, i64, i64, i64, p])
+        self._output = _function(lib.hybridlm_attention_output, [p, i64, i64, i64, i64, p, i64, i64, i64, p])
 
     def __call__(self, heads: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n: int, start: int,
                  cos: torch.Tensor | None, sin: torch.Tensor | None, scale: float, n_kv_head: int) -> torch.Tensor:
-        """heads [B, 1, H + 2·H_kv, d] → o [B, 1, H·d]; writes row n of K and V [B, H_kv, cap, d].
-
-        cos and sin: the rotary tables [T, d] (their row n is used; None: no rotary); keys
-        start..n are read. Every tensor contiguous float32 on the CPU.
-        """
+        """heads [B, 1, H + 2·H_kv, d] → O [B, 1, H, d]; writes row n of K and V; keys start..n are read."""
         B, _, width, d = heads.shape
         H = width - 2 * n_kv_head
-        out = heads.new_empty(B, 1, H * d)
-        row = 4 * d * n  # bytes to row n of a table
+        out = heads.new_empty(B, 1, H, d)
         if self._step(heads.data_ptr(), B, H, n_kv_head, d, K.data_ptr(), V.data_ptr(), K.shape[2], n, start,
-                      None if cos is None else cos.data_ptr() + row, None if sin is None else sin.data_ptr() + row,
-                      scale, out.data_ptr()):
+                      *_rotary_rows(cos, sin, n, d), scale, out.data_ptr()):
             raise MemoryError(f"decode attention: no memory for the scores over {n + 1 - start} keys")
         return out
+
+    def rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n: int,
+             cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+        """q [B, 1, H, d], k and v [B, 1, H_kv, d] → row n of K and V; returns the rotated q [B, H, 1, d]."""
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        B, _, H, d = q.shape
+        q_rot = q.new_empty(B, H, 1, d)
+        self._rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), B, H, k.shape[2], d, K.data_ptr(), V.data_ptr(),
+                   K.shape[2], n, *_rotary_rows(cos, sin, n, d), q_rot.data_ptr())
+        return q_rot
+
+    def scores(self, q: torch.Tensor, K: torch.Tensor, n: int, start: int, scale: float) -> torch.Tensor:
+        """S [B, H, 1, n + 1]: the scaled scores of the keys start..n, −∞ before start."""
+        B, H, _, d = q.shape
+        S = q.new_empty(B, H, 1, n + 1)
+        self._scores(q.data_ptr(), B, H, K.shape[1], d, K.data_ptr(), K.shape[2], n, start, scale, S.data_ptr())
+        return S
+
+    def pattern(self, S: torch.Tensor, start: int) -> torch.Tensor:
+        """A: the softmax of each row of S over its columns start.. (0 before)."""
+        S = S.contiguous()
+        A = torch.empty_like(S)
+        self._pattern(S.data_ptr(), S.numel() // S.shape[-1], S.shape[-1], start, A.data_ptr())
+        return A
+
+    def output(self, A: torch.Tensor, V: torch.Tensor, n: int, start: int) -> torch.Tensor:
+        """O [B, 1, H, d] = A V over the keys start..n."""
+        A = A.contiguous()
+        B, H = A.shape[:2]
+        d = V.shape[3]
+        O = A.new_empty(B, 1, H, d)
+        self._output(A.data_ptr(), B, H, V.shape[1], d, V.data_ptr(), V.shape[2], n, start, O.data_ptr())
+        return O
+
+
+def _function(fn, argtypes, restype=None):
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+def _rotary_rows(cos, sin, n: int, d: int) -> tuple:
+    """Addresses of row n of the rotary tables, or (None, None)."""
+    if cos is None:
+        return None, None
+    return cos.data_ptr() + 4 * d * n, sin.data_ptr() + 4 * d * n
 
 
 class Library:

@@ -86,18 +86,15 @@ static float dot(const float *a, const float *b, int64_t d) {
     return total;
 }
 
-/* s_t = (q · K_t) · scale for t ∈ [start, stop); returns max_t s_t. */
-static float scores(const float *q, const float *K, int64_t d, int64_t start, int64_t stop, float scale, float *s) {
-    float top = -INFINITY;
-    for (int64_t t = start; t < stop; ++t) {
-        s[t - start] = dot(q, K + t * d, d) * scale;
-        top = s[t - start] > top ? s[t - start] : top;
-    }
-    return top;
+/* s_t = (q · K_t) · scale for the c keys from K. */
+static void scores(const float *q, const float *K, int64_t d, int64_t c, float scale, float *s) {
+    for (int64_t t = 0; t < c; ++t) s[t] = dot(q, K + t * d, d) * scale;
 }
 
-/* s_t ← e^{s_t − top} over c entries; returns Σ_t. */
-static float exponentials(float *s, int64_t c, float top) {
+/* a_t = e^{s_t − max s} · (1 / Σ_u e^{s_u − max s}) over c entries, in place: the pattern of one row. */
+static void softmax(float *s, int64_t c) {
+    float top = -INFINITY;
+    for (int64_t t = 0; t < c; ++t) top = s[t] > top ? s[t] : top;
     int64_t t = 0;
     float total = 0.f;
 #ifdef HYBRIDLM_AVX2
@@ -114,82 +111,132 @@ static float exponentials(float *s, int64_t c, float top) {
         s[t] = expf(s[t] - top);
         total += s[t];
     }
-    return total;
+    const float inv = 1.f / total;
+    for (t = 0; t < c; ++t) s[t] *= inv;
 }
 
-/* out = Σ_t e_t V_t / total over t ∈ [start, stop), 64 (else 8) coordinates at a time in registers. */
-static void weighted_sum(const float *e, const float *V, int64_t d, int64_t start, int64_t stop, float total,
-                         float *out) {
-    const float inv = 1.f / total;
+/* out = Σ_t a_t V_t over the c rows from V, 64 (else 8) coordinates at a time in registers. */
+static void weighted_sum(const float *a, const float *V, int64_t d, int64_t c, float *out) {
     int64_t i = 0;
 #ifdef HYBRIDLM_AVX2
-    const __m256 iv = _mm256_set1_ps(inv);
     for (; i + 64 <= d; i += 64) {
         __m256 o[8];
         for (int u = 0; u < 8; ++u) o[u] = _mm256_setzero_ps();
-        for (int64_t t = start; t < stop; ++t) {
-            const __m256 w = _mm256_set1_ps(e[t - start]);
+        for (int64_t t = 0; t < c; ++t) {
+            const __m256 w = _mm256_set1_ps(a[t]);
             const float *v = V + t * d + i;
             for (int u = 0; u < 8; ++u) o[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * u), o[u]);
         }
-        for (int u = 0; u < 8; ++u) _mm256_storeu_ps(out + i + 8 * u, _mm256_mul_ps(o[u], iv));
+        for (int u = 0; u < 8; ++u) _mm256_storeu_ps(out + i + 8 * u, o[u]);
     }
     for (; i + 8 <= d; i += 8) {
         __m256 o = _mm256_setzero_ps();
-        for (int64_t t = start; t < stop; ++t) o = _mm256_fmadd_ps(_mm256_set1_ps(e[t - start]), _mm256_loadu_ps(V + t * d + i), o);
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(o, iv));
+        for (int64_t t = 0; t < c; ++t) o = _mm256_fmadd_ps(_mm256_set1_ps(a[t]), _mm256_loadu_ps(V + t * d + i), o);
+        _mm256_storeu_ps(out + i, o);
     }
 #endif
     for (; i < d; ++i) {
         float o = 0.f;
-        for (int64_t t = start; t < stop; ++t) o += e[t - start] * V[t * d + i];
-        out[i] = o * inv;
+        for (int64_t t = 0; t < c; ++t) o += a[t] * V[t * d + i];
+        out[i] = o;
     }
 }
 
-/* One query head against its keys and values; scratch holds n + 1 − start floats. */
-static void head(const float *q, const float *K, const float *V, int64_t d, int64_t start, int64_t stop, float scale,
-                 float *scratch, float *out) {
-    const float top = scores(q, K, d, start, stop, scale, scratch);
-    const float total = exponentials(scratch, stop - start, top);
-    weighted_sum(scratch, V, d, start, stop, total, out);
+/* Row n of K and V for every sequence and key/value head: the rotated k (or k) and v, read
+ * from sequence b at k + b·stride_b and v + b·stride_b, heads d apart. */
+static void write_rows(const float *k, const float *v, int64_t stride_b, int64_t B, int64_t Hkv, int64_t d, float *K,
+                       float *V, int64_t cap, int64_t n, const float *cos, const float *sin) {
+    for (int64_t b = 0; b < B; ++b) {
+        for (int64_t j = 0; j < Hkv; ++j) {
+            const float *kj = k + b * stride_b + j * d, *vj = v + b * stride_b + j * d;
+            float *Kn = K + ((b * Hkv + j) * cap + n) * d, *Vn = V + ((b * Hkv + j) * cap + n) * d;
+            if (cos)
+                rotate(kj, cos, sin, d, Kn);
+            else
+                memcpy(Kn, kj, (size_t)d * sizeof(float));
+            memcpy(Vn, vj, (size_t)d * sizeof(float));
+        }
+    }
 }
 
-/* Returns 0, or −1 when scratch memory could not be had (the state is then written, out not). */
+static void query(const float *q, const float *cos, const float *sin, int64_t d, float *out) {
+    if (cos)
+        rotate(q, cos, sin, d, out);
+    else
+        memcpy(out, q, (size_t)d * sizeof(float));
+}
+
+enum { PARALLEL_WORK = 262144 }; /* B·H·keys·d above which the heads are split over the threads */
+
+/* The whole step in one call (no hook attached): heads [B, H + 2·H_kv, d] → out [B, H, d].
+ * Returns 0, or −1 when scratch memory could not be had (the state is then written, out not). */
 int hybridlm_decode_attention(const float *heads, int64_t B, int64_t H, int64_t Hkv, int64_t d, float *K, float *V,
                               int64_t cap, int64_t n, int64_t start, const float *cos, const float *sin, float scale,
                               float *out) {
-    const int64_t group = H / Hkv, width = (H + 2 * Hkv) * d, stop = n + 1;
-    for (int64_t b = 0; b < B; ++b) {
-        for (int64_t j = 0; j < Hkv; ++j) {
-            const float *k = heads + b * width + (H + j) * d, *v = heads + b * width + (H + Hkv + j) * d;
-            float *Kn = K + ((b * Hkv + j) * cap + n) * d, *Vn = V + ((b * Hkv + j) * cap + n) * d;
-            if (cos)
-                rotate(k, cos, sin, d, Kn);
-            else
-                memcpy(Kn, k, (size_t)d * sizeof(float));
-            memcpy(Vn, v, (size_t)d * sizeof(float));
-        }
-    }
+    const int64_t group = H / Hkv, width = (H + 2 * Hkv) * d, c = n + 1 - start;
+    write_rows(heads + H * d, heads + (H + Hkv) * d, width, B, Hkv, d, K, V, cap, n, cos, sin);
     int failed = 0;
-    const int64_t work = B * H * (stop - start) * d;
-#pragma omp parallel for schedule(static) if (work > 262144) reduction(| : failed)
+#pragma omp parallel for schedule(static) if (B * H * c * d > PARALLEL_WORK) reduction(| : failed)
     for (int64_t task = 0; task < B * H; ++task) {
         const int64_t b = task / H, h = task % H, j = h / group;
-        float *scratch = malloc(sizeof(float) * (size_t)(stop - start + d));
+        float *scratch = malloc(sizeof(float) * (size_t)(c + d));
         if (!scratch) {
             failed = 1;
             continue;
         }
-        float *q = scratch + (stop - start);
-        const float *qh = heads + b * width + h * d;
-        if (cos)
-            rotate(qh, cos, sin, d, q);
-        else
-            memcpy(q, qh, (size_t)d * sizeof(float));
-        const float *Kb = K + (b * Hkv + j) * cap * d, *Vb = V + (b * Hkv + j) * cap * d;
-        head(q, Kb, Vb, d, start, stop, scale, scratch, out + (b * H + h) * d);
+        float *q = scratch + c;
+        query(heads + b * width + h * d, cos, sin, d, q);
+        const float *Kb = K + ((b * Hkv + j) * cap + start) * d, *Vb = V + ((b * Hkv + j) * cap + start) * d;
+        scores(q, Kb, d, c, scale, scratch);
+        softmax(scratch, c);
+        weighted_sum(scratch, Vb, d, c, out + (b * H + h) * d);
         free(scratch);
     }
     return failed ? -1 : 0;
+}
+
+/* The same step in stages, for hooks to see and replace q, k, v, S, A and z between them. With
+ * nothing replaced, the stages give the one-call step's bits. */
+
+/* Stage 1: q [B, H, d], k and v [B, H_kv, d] → row n of K and V, and the rotated q into q_out. */
+void hybridlm_attention_rows(const float *q, const float *k, const float *v, int64_t B, int64_t H, int64_t Hkv,
+                             int64_t d, float *K, float *V, int64_t cap, int64_t n, const float *cos, const float *sin,
+                             float *q_out) {
+    write_rows(k, v, Hkv * d, B, Hkv, d, K, V, cap, n, cos, sin);
+    for (int64_t r = 0; r < B * H; ++r) query(q + r * d, cos, sin, d, q_out + r * d);
+}
+
+/* Stage 2: S [B, H, n + 1], the scaled scores of the keys start..n and −∞ before start. */
+void hybridlm_attention_scores(const float *q, int64_t B, int64_t H, int64_t Hkv, int64_t d, const float *K, int64_t cap,
+                               int64_t n, int64_t start, float scale, float *S) {
+    const int64_t group = H / Hkv, c = n + 1 - start;
+#pragma omp parallel for schedule(static) if (B * H * c * d > PARALLEL_WORK)
+    for (int64_t task = 0; task < B * H; ++task) {
+        const int64_t b = task / H, h = task % H, j = h / group;
+        float *row = S + task * (n + 1);
+        for (int64_t t = 0; t < start; ++t) row[t] = -INFINITY;
+        scores(q + task * d, K + ((b * Hkv + j) * cap + start) * d, d, c, scale, row + start);
+    }
+}
+
+/* Stage 3: A = softmax of each of the rows of S over its columns start..cols − 1 (0 before). */
+void hybridlm_attention_pattern(const float *S, int64_t rows, int64_t cols, int64_t start, float *A) {
+#pragma omp parallel for schedule(static) if (rows * cols > PARALLEL_WORK / 64)
+    for (int64_t r = 0; r < rows; ++r) {
+        float *a = A + r * cols;
+        memset(a, 0, (size_t)start * sizeof(float));
+        memcpy(a + start, S + r * cols + start, (size_t)(cols - start) * sizeof(float));
+        softmax(a + start, cols - start);
+    }
+}
+
+/* Stage 4: O [B, H, d] = A V over the keys start..n (A [B, H, n + 1]). */
+void hybridlm_attention_output(const float *A, int64_t B, int64_t H, int64_t Hkv, int64_t d, const float *V,
+                               int64_t cap, int64_t n, int64_t start, float *O) {
+    const int64_t group = H / Hkv, c = n + 1 - start;
+#pragma omp parallel for schedule(static) if (B * H * c * d > PARALLEL_WORK)
+    for (int64_t task = 0; task < B * H; ++task) {
+        const int64_t b = task / H, h = task % H, j = h / group;
+        weighted_sum(A + task * (n + 1) + start, V + ((b * Hkv + j) * cap + start) * d, d, c, O + task * d);
+    }
 }
