@@ -6,7 +6,7 @@ every reference):
 - decode: greedy tokens/s, `new_tokens` new tokens after a `prompt_tokens`-token prompt;
 - prefill: tokens/s of a `prefill_tokens`-token prompt entering an empty state;
 - latency: seconds per decode step at context lengths `contexts` (the state makes a step
-  O(n) attention, not a recompute);
+  O(n) attention, not a recompute), every context and contender in one shuffled round;
 - hooks: the decode step and the prefill with hooks off, in a build without hook points
   (`hooks.without_hook_points`), with every residual state recorded, and with every
   activation recorded (attention patterns included), finely interleaved (`_hook_costs`);
@@ -329,16 +329,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
         section("prefill", "tokens/s", {c.name: _timed(lambda c=c: c.prefill(prefill_ids), len(prefill_ids))
                                         for c in contenders})
     if "latency" in cfg.sections:
-        for n in cfg.contexts:
-            ctx = text_ids[:n]
-            section(f"latency@{n}", "s/token", {
-                c.name: (lambda c=c, ctx=ctx: c.step_time(ctx, cfg.latency_steps))
-                for c in contenders if c.step_time is not None}, higher_better=False)
-        lo, hi = min(cfg.contexts), max(cfg.contexts)
-        report["latency_growth"] = {
-            c.name: report[f"latency@{hi}"]["figures"][c.name]["median"] / report[f"latency@{lo}"]["figures"][c.name]["median"]
-            for c in contenders if c.name in report.get(f"latency@{hi}", {}).get("figures", {})}
-        log(f"  latency at {hi} / latency at {lo}: " + ", ".join(f"{k} {v:.2f}×" for k, v in report["latency_growth"].items()))
+        _latency(report, contenders, text_ids, cfg, exact_name, log)
     if "hooks" in cfg.sections:
         report["hooks"] = _hook_costs(exact, prompt, prefill_ids, cfg, log)
     if "batch" in cfg.sections:
@@ -360,6 +351,31 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
     log(f"[memory] peak RSS {report['memory']['peak_rss_mb']} MB; KV bytes at n={len(big)}: "
         + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in report["memory"]["kv_bytes"].items() if v))
     return report
+
+
+def _latency(report: dict, contenders: list[Contender], text_ids, cfg: BenchConfig, exact_name: str, log) -> None:
+    """Seconds per decode step at each context length. Every (contender, context) pair takes
+    its turn in one shuffled round, so the growth from the shortest to the longest context,
+    the median over rounds of that round's ratio, is not a difference between two stretches
+    of a drifting machine."""
+    timed = [c for c in contenders if c.step_time is not None]
+    runs = {(c.name, n): (lambda c=c, ctx=text_ids[:n]: c.step_time(ctx, cfg.latency_steps))
+            for c in timed for n in cfg.contexts}
+    log(f"[latency] {len(cfg.contexts)} contexts × {len(timed)} contenders, {cfg.latency_steps} steps each, "
+        f"{cfg.repeats} shuffled rounds ...")
+    figs = interleaved(runs, cfg.repeats, shuffle_seed=1)
+    for n in cfg.contexts:
+        sec = {"unit": "s/token", "figures": {c.name: figs[c.name, n].as_dict() for c in timed}}
+        sec["ratios"] = _ratios(sec["figures"], contenders, exact_name, higher_better=False)
+        report[f"latency@{n}"] = sec
+        log(f"[latency@{n}]")
+        _print_section(f"latency@{n}", "s/token", sec, log)
+    lo, hi = min(cfg.contexts), max(cfg.contexts)
+    report["latency_growth"] = {
+        c.name: statistics.median(a / b for a, b in zip(figs[c.name, hi].values, figs[c.name, lo].values))
+        for c in timed}
+    log(f"  latency at {hi} / latency at {lo} (median of per-round ratios): "
+        + ", ".join(f"{k} {v:.2f}×" for k, v in report["latency_growth"].items()))
 
 
 def _batch(model, text_ids, cfg: BenchConfig, log) -> dict:
