@@ -61,11 +61,7 @@ def inputs(R, K, seed):
 
 
 # ---------------------------------------------------------------------- the map
-@requires_kernel
-@settings(max_examples=40, deadline=None)
-@given(N=st.integers(1, 70), groups=st.integers(1, 20), R=st.integers(1, 40), bias=st.booleans(),
-       seed=st.integers(0, 10**6))
-def test_kernel_is_the_closed_form_within_its_rounding(N, groups, R, bias, seed):
+def check_int4(N, groups, R, bias, seed):
     """A token step's rows (≤ 32: the kernel, 16-bit input) and a prefill's (the dequantised
     blocks through the BLAS) both compute x Ŵᵀ + b, each within its own rounding."""
     K = 32 * groups
@@ -78,6 +74,14 @@ def test_kernel_is_the_closed_form_within_its_rounding(N, groups, R, bias, seed)
     y = lin(x)
     assert y.dtype == torch.float32 and y.shape == (R, N)
     assert ((y.to(F64) - ref).abs() <= bound).all()
+
+
+@requires_kernel
+@settings(max_examples=40, deadline=None)
+@given(N=st.integers(1, 70), groups=st.integers(1, 20), R=st.integers(1, 40), bias=st.booleans(),
+       seed=st.integers(0, 10**6))
+def test_kernel_is_the_closed_form_within_its_rounding(N, groups, R, bias, seed):
+    check_int4(N, groups, R, bias, seed)
 
 
 @requires_kernel
@@ -250,12 +254,7 @@ def run_attention(attn, rot, x, z, n, *, hooks=None, pytorch=False, monkeypatch=
             monkeypatch.undo()
 
 
-@requires_kernel
-@settings(max_examples=40, deadline=None)
-@given(B=st.integers(1, 3), shape=st.sampled_from([(4, 4, 8), (4, 2, 16), (6, 3, 64), (4, 1, 72), (2, 2, 12)]),
-       n=st.integers(0, 200), rotary=st.booleans(), window=st.sampled_from([None, 1, 40]),
-       scale=st.sampled_from([None, 1.0]), seed=st.integers(0, 10**6))
-def test_decode_attention_is_the_closed_form(B, shape, n, rotary, window, scale, seed):
+def check_attention(B, shape, n, rotary, window, scale, seed):
     """The compiled step, its stages with observing hooks, and PyTorch's path each give O
     within float32 rounding of its float64 closed form. The stages give the one call's bits,
     and every path writes the same bits into the state (the rotation is the same rounded
@@ -284,6 +283,17 @@ def test_decode_attention_is_the_closed_form(B, shape, n, rotary, window, scale,
     bound = (2.2 * score_err + 1e-6 + (keys + 2) * 2.0**-24) * v_max  # softmax's spread; exp; the sum
     for o in (fast, ref):
         assert ((o.to(F64) - o64).abs() <= bound).all()
+
+
+ATTENTION_SHAPES = [(4, 4, 8), (4, 2, 16), (6, 3, 64), (4, 1, 72), (2, 2, 12)]  # (H, H_kv, d)
+
+
+@requires_kernel
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 3), shape=st.sampled_from(ATTENTION_SHAPES), n=st.integers(0, 200), rotary=st.booleans(),
+       window=st.sampled_from([None, 1, 40]), scale=st.sampled_from([None, 1.0]), seed=st.integers(0, 10**6))
+def test_decode_attention_is_the_closed_form(B, shape, n, rotary, window, scale, seed):
+    check_attention(B, shape, n, rotary, window, scale, seed)
 
 
 @requires_kernel
@@ -367,6 +377,21 @@ def test_a_failed_build_is_named_and_the_path_still_works(fresh, monkeypatch):
     assert kernels.library() is None and "build failed" in kernels.status()
     x = inputs(2, 64, 0)
     assert torch.allclose(lin(x), x @ lin.weight.T + b, rtol=2e-2, atol=0.2)
+
+
+def test_the_portable_c_build_is_the_same_map(fresh, monkeypatch):
+    """Where the CPU lacks AVX2, FMA or F16C the kernels are plain C loops: the same checks."""
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: [])
+    lib = kernels.library()
+    if lib is None:
+        pytest.skip(kernels.status())
+    assert not lib.vectorised and "portable C" in kernels.status()
+    for case in [(5, 1, 1, True, 0), (33, 18, 1, False, 1), (20, 7, 3, True, 2), (9, 48, 6, True, 3),
+                 (40, 3, 35, False, 4)]:
+        check_int4(*case)
+    for B, shape, n, rotary, window, scale in [(1, (6, 3, 64), 0, True, None, None), (2, (4, 1, 72), 50, True, 40, None),
+                                             (3, (2, 2, 12), 17, False, None, 1.0), (1, (4, 4, 8), 120, True, 1, None)]:
+        check_attention(B, shape, n, rotary, window, scale, seed=n)
 
 
 @requires_kernel
