@@ -317,6 +317,14 @@ def test_replacing_hooks_act_as_on_pytorchs_path(name, monkeypatch):
 
 
 @requires_kernel
+@pytest.mark.parametrize("name", ATTENTION_HOOKS[:5])
+def test_a_hook_that_hands_back_a_wrong_shape_is_named(name):
+    attn, rot, (x, _), z = attention_case(1, 4, 2, 16, 30, True, None, None, 0)
+    with pytest.raises(InputError, match=f"from {name}.*expected"):
+        run_attention(attn, rot, x, z, 30, hooks={name: lambda t, h: t[..., :-1]})
+
+
+@requires_kernel
 def test_decode_attention_falls_back_where_it_does_not_apply(monkeypatch):
     """A state buffer that is not contiguous takes PyTorch's path (the compiled step never
     runs), with the same result."""
@@ -389,8 +397,10 @@ def test_the_portable_c_build_is_the_same_map(fresh, monkeypatch):
     for case in [(5, 1, 1, True, 0), (33, 18, 1, False, 1), (20, 7, 3, True, 2), (9, 48, 6, True, 3),
                  (40, 3, 35, False, 4)]:
         check_int4(*case)
-    for B, shape, n, rotary, window, scale in [(1, (6, 3, 64), 0, True, None, None), (2, (4, 1, 72), 50, True, 40, None),
-                                             (3, (2, 2, 12), 17, False, None, 1.0), (1, (4, 4, 8), 120, True, 1, None)]:
+    for B, shape, n, rotary, window, scale in [(1, (6, 3, 64), 0, True, None, None),
+                                             (2, (4, 1, 72), 50, True, 40, None),
+                                             (3, (2, 2, 12), 17, False, None, 1.0),
+                                             (1, (4, 4, 8), 120, True, 1, None)]:
         check_attention(B, shape, n, rotary, window, scale, seed=n)
 
 

@@ -117,7 +117,7 @@ class Attention(DirectModule):
         rotary tables are not plain contiguous float32."""
         step = kernels.decode_attention()
         K, V = state.layer_buffers(self.layer)
-        if step is None or K.dtype != torch.float32 or not (K.is_contiguous() and V.is_contiguous()):
+        if step is None or K.dtype != torch.float32 or not (K.is_cpu and K.is_contiguous() and V.is_contiguous()):
             return None
         cos = sin = None
         if rotary is not None:
@@ -129,14 +129,16 @@ class Attention(DirectModule):
         if not self._watched():
             return step(heads.contiguous(), K, V, n, start, cos, sin, self.scale, self.n_kv_head)
         H, H_kv = self.n_head, self.n_kv_head
-        q, k, v = self.hook_q(heads[:, :, :H]), self.hook_k(heads[:, :, H:H + H_kv]), self.hook_v(heads[:, :, H + H_kv:])
+        q, k, v = heads[:, :, :H], heads[:, :, H : H + H_kv], heads[:, :, H + H_kv :]
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         q = step.rows(q, k, v, K, V, n, cos, sin)
         scores = step.scores(q, K, n, start, self.scale)
         hooked = self.hook_attn_scores(scores)
         first = start if hooked is scores else 0  # a replaced S may weigh any key
-        pattern = step.pattern(hooked, first)
+        pattern = step.pattern(hooked, first, scores.shape)
         hooked_pattern = self.hook_pattern(pattern)
-        return self.hook_z(step.output(hooked_pattern, V, n, first if hooked_pattern is pattern else 0))
+        o = step.output(hooked_pattern, V, n, first if hooked_pattern is pattern else 0, scores.shape)
+        return self.hook_z(o)
 
     def _fused(self, q, k, v, pos, window):
         m, n_keys = q.shape[2], k.shape[2]

@@ -53,7 +53,6 @@ from hybridlm.errors import InputError
 from hybridlm.linear import BLOCK_COLUMNS, STEP_ROWS, cpuinfo
 
 _SOURCES = ("int4.c", "attention.c")  # in the folder of this module
-GROUP = 32  # inputs per scale and offset, as in a Q4_1 block
 
 
 class Int4Kernel:
@@ -68,12 +67,8 @@ class Int4Kernel:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._affine = lib.hybridlm_int4_affine
-        self._affine.argtypes = [p, i64, i64, p, p, p, p, i64, p]
-        self._affine.restype = ctypes.c_int
-        self._dequantise = lib.hybridlm_int4_dequantise
-        self._dequantise.argtypes = [p, p, p, i64, i64, i64, p]
-        self._dequantise.restype = None
+        self._affine = _function(lib.hybridlm_int4_affine, [p, i64, i64, p, p, p, p, i64, p], ctypes.c_int)
+        self._dequantise = _function(lib.hybridlm_int4_dequantise, [p, p, p, i64, i64, i64, p])
 
     def affine(self, x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                b: torch.Tensor | None) -> torch.Tensor:
@@ -123,8 +118,8 @@ class DecodeAttention:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        self._step = _function(lib.hybridlm_decode_attention, [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, f32, p],
-                               ctypes.c_int)
+        self._step = _function(lib.hybridlm_decode_attention,
+                               [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, f32, p], ctypes.c_int)
         self._rows = _function(lib.hybridlm_attention_rows, [p, p, p, i64, i64, i64, i64, p, p, i64, i64, p, p, p])
         self._scores = _function(lib.hybridlm_attention_scores, [p, i64, i64, i64, i64, p, i64, i64, i64, f32, p])
         self._pattern = _function(lib.hybridlm_attention_pattern, [p, i64, i64, i64, p])
@@ -144,8 +139,10 @@ class DecodeAttention:
     def rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n: int,
              cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
         """q [B, 1, H, d], k and v [B, 1, H_kv, d] → row n of K and V; returns the rotated q [B, H, 1, d]."""
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        B, _, H, d = q.shape
+        B, H_kv, d = K.shape[0], K.shape[1], K.shape[3]
+        q = _plain(q, (B, 1, q.shape[2] if q.dim() == 4 else -1, d), "q (from hook_q)")
+        k, v = _plain(k, (B, 1, H_kv, d), "k (from hook_k)"), _plain(v, (B, 1, H_kv, d), "v (from hook_v)")
+        H = q.shape[2]
         q_rot = q.new_empty(B, H, 1, d)
         self._rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), B, H, k.shape[2], d, K.data_ptr(), V.data_ptr(),
                    K.shape[2], n, *_rotary_rows(cos, sin, n, d), q_rot.data_ptr())
@@ -158,21 +155,29 @@ class DecodeAttention:
         self._scores(q.data_ptr(), B, H, K.shape[1], d, K.data_ptr(), K.shape[2], n, start, scale, S.data_ptr())
         return S
 
-    def pattern(self, S: torch.Tensor, start: int) -> torch.Tensor:
-        """A: the softmax of each row of S over its columns start.. (0 before)."""
-        S = S.contiguous()
+    def pattern(self, S: torch.Tensor, start: int, shape: tuple) -> torch.Tensor:
+        """A: the softmax of each row of S (of the scores' `shape`) over its columns start.. (0 before)."""
+        S = _plain(S, shape, "S (from hook_attn_scores)")
         A = torch.empty_like(S)
         self._pattern(S.data_ptr(), S.numel() // S.shape[-1], S.shape[-1], start, A.data_ptr())
         return A
 
-    def output(self, A: torch.Tensor, V: torch.Tensor, n: int, start: int) -> torch.Tensor:
-        """O [B, 1, H, d] = A V over the keys start..n."""
-        A = A.contiguous()
+    def output(self, A: torch.Tensor, V: torch.Tensor, n: int, start: int, shape: tuple) -> torch.Tensor:
+        """O [B, 1, H, d] = A V over the keys start..n (A of the scores' `shape`)."""
+        A = _plain(A, shape, "A (from hook_pattern)")
         B, H = A.shape[:2]
         d = V.shape[3]
         O = A.new_empty(B, 1, H, d)
         self._output(A.data_ptr(), B, H, V.shape[1], d, V.data_ptr(), V.shape[2], n, start, O.data_ptr())
         return O
+
+
+def _plain(t: torch.Tensor, shape: tuple, what: str) -> torch.Tensor:
+    """t as contiguous float32 on the CPU, once its shape is checked (−1: any size there): what
+    a hook hands back is read by C, which trusts the shape."""
+    if t.dim() != len(shape) or any(e not in (-1, a) for a, e in zip(t.shape, shape)):
+        raise InputError(f"{what} has shape {tuple(t.shape)}: expected {tuple('*' if e < 0 else e for e in shape)}")
+    return t.to(device="cpu", dtype=torch.float32).contiguous()
 
 
 def _function(fn, argtypes, restype=None):
