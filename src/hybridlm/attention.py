@@ -128,17 +128,18 @@ class Attention(DirectModule):
         start = n + 1 - self.window if self.window is not None and n + 1 > self.window else 0
         if not self._watched():
             return step(heads.contiguous(), K, V, n, start, cos, sin, self.scale, self.n_kv_head)
-        H, H_kv = self.n_head, self.n_kv_head
-        q, k, v = heads[:, :, :H], heads[:, :, H : H + H_kv], heads[:, :, H + H_kv :]
-        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        q = step.rows(q, k, v, K, V, n, cos, sin)
-        scores = step.scores(q, K, n, start, self.scale)
-        hooked = self.hook_attn_scores(scores)
-        first = start if hooked is scores else 0  # a replaced S may weigh any key
-        pattern = step.pattern(hooked, first, scores.shape)
-        hooked_pattern = self.hook_pattern(pattern)
-        o = step.output(hooked_pattern, V, n, first if hooked_pattern is pattern else 0, scores.shape)
-        return self.hook_z(o)
+        B, H, H_kv, d = heads.shape[0], self.n_head, self.n_kv_head, self.d_head
+        q0, k0, v0 = heads[:, :, :H], heads[:, :, H : H + H_kv], heads[:, :, H + H_kv :]
+        q = _handed_back(self.hook_q(q0), q0, (B, 1, H, d), "q (from hook_q)")
+        k = _handed_back(self.hook_k(k0), k0, (B, 1, H_kv, d), "k (from hook_k)")
+        v = _handed_back(self.hook_v(v0), v0, (B, 1, H_kv, d), "v (from hook_v)")
+        scores = step.scores(q, k, v, K, V, n, start, cos, sin, self.scale)
+        S = self.hook_attn_scores(scores)
+        first = start if S is scores else 0  # a replaced S or A may weigh any key
+        pattern = step.pattern(_handed_back(S, scores, scores.shape, "S (from hook_attn_scores)"), first)
+        A = self.hook_pattern(pattern)
+        first = first if A is pattern else 0
+        return self.hook_z(step.output(_handed_back(A, pattern, scores.shape, "A (from hook_pattern)"), V, n, first))
 
     def _fused(self, q, k, v, pos, window):
         m, n_keys = q.shape[2], k.shape[2]
@@ -198,6 +199,12 @@ class Attention(DirectModule):
             B, H, m, n_keys = hooked_pattern.shape
             o = (hooked_pattern.view(B, self.n_kv_head, -1, n_keys) @ v).view(B, H, m, -1)
         return o
+
+
+def _handed_back(t: torch.Tensor, produced: torch.Tensor, shape, what: str) -> torch.Tensor:
+    """What a hook point handed back, ready for the compiled stages: the tensor produced
+    (contiguous), or a replacement checked against its shape and made contiguous float32."""
+    return produced.contiguous() if t is produced else kernels.plain(t, tuple(shape), what)
 
 
 _ROW_BLOCK = 128  # query rows per block of the explicit attention

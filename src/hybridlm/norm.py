@@ -7,9 +7,10 @@ RMSNorm drops the centring and the bias: γ ⊙ h / sqrt(mean h_j² + ε).
 `hook_normalized` sees the state before the affine part (the point on the sphere).
 With no hook attached LayerNorm runs the fused kernel. RMSNorm's written-out form takes
 the mean square in float32, as `transformers` does, and gives its bits in float32 and
-bfloat16; with no hook on a float32 state the fused `rms_norm` runs instead, one call that
-gives the same bits (in bfloat16 it rounds differently, so there the written-out form
-always runs). Attaching a hook never changes the numbers.
+bfloat16; on a float32 state the fused `rms_norm` runs instead, one call that gives the same
+bits (with a hook, without γ, which multiplies after the hook point; in bfloat16 it rounds
+differently, so there the written-out form always runs). Attaching a hook never changes the
+numbers.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ class RMSNorm(DirectModule):
         self.hook_normalized = HookPoint()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if h.dtype == torch.float32 and not self.hook_normalized.active:  # fused, the same bits
-            return F.rms_norm(h, h.shape[-1:], self.weight, self.eps)
+        if h.dtype == torch.float32:  # fused, the same bits; hooked: γ applied after the hook point
+            if not self.hook_normalized.active:
+                return F.rms_norm(h, h.shape[-1:], self.weight, self.eps)
+            return self.weight * self.hook_normalized(F.rms_norm(h, h.shape[-1:], None, self.eps))
         h32 = h.float()  # (as transformers does: the mean square in float32 whatever the dtype)
         inv_rms = (h32 * h32).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
         return self.weight * self.hook_normalized((h32 * inv_rms).to(h.dtype))

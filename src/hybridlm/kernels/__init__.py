@@ -109,8 +109,8 @@ class Int4Kernel:
 
 class DecodeAttention:
     """One decode step of attention through the compiled library (attention.c states the map):
-    in one call (`__call__`), or in stages between which hooks may look and replace (`rows`,
-    `scores`, `pattern`, `output`; with nothing replaced they give the one call's bits).
+    in one call (`__call__`), or in stages between which hooks may look and replace (`scores`,
+    `pattern`, `output`; with nothing replaced they give the one call's bits).
 
     Every tensor is contiguous float32 on the CPU; K and V are a layer's [B, H_kv, cap, d]
     buffers, cos and sin the rotary tables [T, d] whose row n is used (None: no rotary).
@@ -120,8 +120,8 @@ class DecodeAttention:
         p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         self._step = _function(lib.hybridlm_decode_attention,
                                [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, f32, p], ctypes.c_int)
-        self._rows = _function(lib.hybridlm_attention_rows, [p, p, p, i64, i64, i64, i64, p, p, i64, i64, p, p, p])
-        self._scores = _function(lib.hybridlm_attention_scores, [p, i64, i64, i64, i64, p, i64, i64, i64, f32, p])
+        self._scores = _function(lib.hybridlm_attention_scores,
+                                 [p, p, p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, f32, p], ctypes.c_int)
         self._pattern = _function(lib.hybridlm_attention_pattern, [p, i64, i64, i64, p])
         self._output = _function(lib.hybridlm_attention_output, [p, i64, i64, i64, i64, p, i64, i64, i64, p])
 
@@ -136,35 +136,25 @@ class DecodeAttention:
             raise MemoryError(f"decode attention: no memory for the scores over {n + 1 - start} keys")
         return out
 
-    def rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n: int,
-             cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
-        """q [B, 1, H, d], k and v [B, 1, H_kv, d] → row n of K and V; returns the rotated q [B, H, 1, d]."""
-        B, H_kv, d = K.shape[0], K.shape[1], K.shape[3]
-        q = _plain(q, (B, 1, q.shape[2] if q.dim() == 4 else -1, d), "q (from hook_q)")
-        k, v = _plain(k, (B, 1, H_kv, d), "k (from hook_k)"), _plain(v, (B, 1, H_kv, d), "v (from hook_v)")
-        H = q.shape[2]
-        q_rot = q.new_empty(B, H, 1, d)
-        self._rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), B, H, k.shape[2], d, K.data_ptr(), V.data_ptr(),
-                   K.shape[2], n, *_rotary_rows(cos, sin, n, d), q_rot.data_ptr())
-        return q_rot
-
-    def scores(self, q: torch.Tensor, K: torch.Tensor, n: int, start: int, scale: float) -> torch.Tensor:
-        """S [B, H, 1, n + 1]: the scaled scores of the keys start..n, −∞ before start."""
-        B, H, _, d = q.shape
+    def scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n: int,
+               start: int, cos: torch.Tensor | None, sin: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """q [B, 1, H, d], k and v [B, 1, H_kv, d] → row n of K and V, and S [B, H, 1, n + 1], the
+        scaled scores of the keys start..n (−∞ before start)."""
+        B, _, H, d = q.shape
         S = q.new_empty(B, H, 1, n + 1)
-        self._scores(q.data_ptr(), B, H, K.shape[1], d, K.data_ptr(), K.shape[2], n, start, scale, S.data_ptr())
+        if self._scores(q.data_ptr(), k.data_ptr(), v.data_ptr(), B, H, k.shape[2], d, K.data_ptr(), V.data_ptr(),
+                        K.shape[2], n, start, *_rotary_rows(cos, sin, n, d), scale, S.data_ptr()):
+            raise MemoryError("decode attention: no memory for a rotated query")
         return S
 
-    def pattern(self, S: torch.Tensor, start: int, shape: tuple) -> torch.Tensor:
-        """A: the softmax of each row of S (of the scores' `shape`) over its columns start.. (0 before)."""
-        S = _plain(S, shape, "S (from hook_attn_scores)")
+    def pattern(self, S: torch.Tensor, start: int) -> torch.Tensor:
+        """A: the softmax of each row of S over its columns start.. (0 before)."""
         A = torch.empty_like(S)
         self._pattern(S.data_ptr(), S.numel() // S.shape[-1], S.shape[-1], start, A.data_ptr())
         return A
 
-    def output(self, A: torch.Tensor, V: torch.Tensor, n: int, start: int, shape: tuple) -> torch.Tensor:
-        """O [B, 1, H, d] = A V over the keys start..n (A of the scores' `shape`)."""
-        A = _plain(A, shape, "A (from hook_pattern)")
+    def output(self, A: torch.Tensor, V: torch.Tensor, n: int, start: int) -> torch.Tensor:
+        """O [B, 1, H, d] = A V over the keys start..n (A [B, H, 1, n + 1])."""
         B, H = A.shape[:2]
         d = V.shape[3]
         O = A.new_empty(B, 1, H, d)
@@ -172,9 +162,9 @@ class DecodeAttention:
         return O
 
 
-def _plain(t: torch.Tensor, shape: tuple, what: str) -> torch.Tensor:
-    """t as contiguous float32 on the CPU, once its shape is checked (−1: any size there): what
-    a hook hands back is read by C, which trusts the shape."""
+def plain(t: torch.Tensor, shape: tuple, what: str) -> torch.Tensor:
+    """What a hook handed back, as contiguous float32 on the CPU once its shape is checked
+    (−1: any size there): the compiled stages read it in C, which trusts the shape."""
     if t.dim() != len(shape) or any(e not in (-1, a) for a, e in zip(t.shape, shape)):
         raise InputError(f"{what} has shape {tuple(t.shape)}: expected {tuple('*' if e < 0 else e for e in shape)}")
     return t.to(device="cpu", dtype=torch.float32).contiguous()

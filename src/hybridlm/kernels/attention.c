@@ -198,28 +198,32 @@ int hybridlm_decode_attention(const float *heads, int64_t B, int64_t H, int64_t 
 /* The same step in stages, for hooks to see and replace q, k, v, S, A and z between them. With
  * nothing replaced, the stages give the one-call step's bits. */
 
-/* Stage 1: q [B, H, d], k and v [B, H_kv, d] → row n of K and V, and the rotated q into q_out. */
-void hybridlm_attention_rows(const float *q, const float *k, const float *v, int64_t B, int64_t H, int64_t Hkv,
-                             int64_t d, float *K, float *V, int64_t cap, int64_t n, const float *cos, const float *sin,
-                             float *q_out) {
-    write_rows(k, v, Hkv * d, B, Hkv, d, K, V, cap, n, cos, sin);
-    for (int64_t r = 0; r < B * H; ++r) query(q + r * d, cos, sin, d, q_out + r * d);
-}
-
-/* Stage 2: S [B, H, n + 1], the scaled scores of the keys start..n and −∞ before start. */
-void hybridlm_attention_scores(const float *q, int64_t B, int64_t H, int64_t Hkv, int64_t d, const float *K, int64_t cap,
-                               int64_t n, int64_t start, float scale, float *S) {
+/* Stage 1: q [B, H, d], k and v [B, H_kv, d] → row n of K and V, and S [B, H, n + 1], the scaled
+ * scores of the keys start..n (−∞ before start). Returns 0, or −1 without scratch memory. */
+int hybridlm_attention_scores(const float *q, const float *k, const float *v, int64_t B, int64_t H, int64_t Hkv,
+                              int64_t d, float *K, float *V, int64_t cap, int64_t n, int64_t start, const float *cos,
+                              const float *sin, float scale, float *S) {
     const int64_t group = H / Hkv, c = n + 1 - start;
-#pragma omp parallel for schedule(static) if (B * H * c * d > PARALLEL_WORK)
+    write_rows(k, v, Hkv * d, B, Hkv, d, K, V, cap, n, cos, sin);
+    int failed = 0;
+#pragma omp parallel for schedule(static) if (B * H * c * d > PARALLEL_WORK) reduction(| : failed)
     for (int64_t task = 0; task < B * H; ++task) {
         const int64_t b = task / H, h = task % H, j = h / group;
+        float *q_rot = malloc(sizeof(float) * (size_t)d);
+        if (!q_rot) {
+            failed = 1;
+            continue;
+        }
+        query(q + task * d, cos, sin, d, q_rot);
         float *row = S + task * (n + 1);
         for (int64_t t = 0; t < start; ++t) row[t] = -INFINITY;
-        scores(q + task * d, K + ((b * Hkv + j) * cap + start) * d, d, c, scale, row + start);
+        scores(q_rot, K + ((b * Hkv + j) * cap + start) * d, d, c, scale, row + start);
+        free(q_rot);
     }
+    return failed ? -1 : 0;
 }
 
-/* Stage 3: A = softmax of each of the rows of S over its columns start..cols − 1 (0 before). */
+/* Stage 2: A = softmax of each of the rows of S over its columns start..cols − 1 (0 before). */
 void hybridlm_attention_pattern(const float *S, int64_t rows, int64_t cols, int64_t start, float *A) {
 #pragma omp parallel for schedule(static) if (rows * cols > PARALLEL_WORK / 64)
     for (int64_t r = 0; r < rows; ++r) {
@@ -230,7 +234,7 @@ void hybridlm_attention_pattern(const float *S, int64_t rows, int64_t cols, int6
     }
 }
 
-/* Stage 4: O [B, H, d] = A V over the keys start..n (A [B, H, n + 1]). */
+/* Stage 3: O [B, H, d] = A V over the keys start..n (A [B, H, n + 1]). */
 void hybridlm_attention_output(const float *A, int64_t B, int64_t H, int64_t Hkv, int64_t d, const float *V,
                                int64_t cap, int64_t n, int64_t start, float *O) {
     const int64_t group = H / Hkv, c = n + 1 - start;
