@@ -17,8 +17,9 @@ When a KV state is passed the new keys and values are written into it and the qu
 attend over every position held so far, so a decode step costs O(n), not a recompute.
 The explicit scores and pattern are formed only when a hook asks for them; otherwise
 PyTorch's fused scaled-dot-product kernel computes the same O. A decode step (one new row
-per sequence) with no hook on q, k, v, S, A or z runs as one compiled call where the
-library of `hybridlm.kernels` is built: rotation, state rows and attention together.
+per sequence, float32 on the CPU) runs through the compiled kernel of `hybridlm.kernels`
+where it is built: rotation, state rows and attention in one call, or, with a hook on q, k,
+v, S, A or z, in three calls with the hook points between them.
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ class Attention(DirectModule):
         pattern = step.pattern(_handed_back(S, scores, scores.shape, "S (from hook_attn_scores)"), first)
         A = self.hook_pattern(pattern)
         first = first if A is pattern else 0
-        return self.hook_z(step.output(_handed_back(A, pattern, scores.shape, "A (from hook_pattern)"), V, n, first))
+        A = _handed_back(A, pattern, scores.shape, "A (from hook_pattern)")
+        return self.hook_z(step.output(A, V, n, first))
 
     def _fused(self, q, k, v, pos, window):
         m, n_keys = q.shape[2], k.shape[2]

@@ -9,14 +9,18 @@
  *
  * where swap(x) exchanges the two halves of x and sin_n carries the sign of the first half, as
  * in hybridlm.positions.Rotary; each product and sum of the rotation is one rounded float32
- * operation, as PyTorch's element-wise kernels do them, so the rows written to the state are
- * the bits a prefill writes. start = 0 for global attention, n + 1 − w for a local window w.
+ * operation, as PyTorch's element-wise kernels do them, so a row written to the state has the
+ * bits PyTorch's rotation gives the same k. start = 0 for global attention, n + 1 − w for a
+ * local window w. The pattern a is normalised before the weighted sum.
  *
  * Layout: heads [B, H + 2·H_kv, d] (q heads, then k, then v); K and V of the layer
  * [B, H_kv, cap, d]; cos and sin rows [d] (NULL: no rotary); out [B, H, d].
  *
- * The scores, the softmax and the weighted sum run per (b, h) with AVX2 + FMA where compiled
- * in (plain loops otherwise); long contexts split the heads over PyTorch's OpenMP pool.
+ * hybridlm_decode_attention does the whole step in one call; the stages (scores with the state
+ * rows, pattern, output) do it in three, with the same helpers in the same order, so with
+ * nothing replaced between them they give the same bits. The scores, the softmax and the
+ * weighted sum run per (b, h) with AVX2 + FMA where compiled in (plain loops otherwise); long
+ * contexts split the heads over PyTorch's OpenMP pool.
  */
 #include <math.h>
 #include <stdint.h>
