@@ -4,7 +4,8 @@ Sections (each figure a median over interleaved repeats, with min–max, and a r
 every reference):
 
 - decode: greedy tokens/s, `new_tokens` new tokens after a `prompt_tokens`-token prompt;
-- prefill: tokens/s of a `prefill_tokens`-token prompt entering an empty state;
+- prefill: tokens/s of a `prefill_tokens`-token prompt entering an empty state
+  (`prefill_rounds` rounds at least);
 - latency: seconds per decode step at context lengths `contexts` (the state makes a step
   O(n) attention, not a recompute), every context and contender in one shuffled round;
 - hooks: the decode step and the prefill with hooks off, in a build without hook points
@@ -18,7 +19,8 @@ every reference):
 
 References: `transformers` on the same float32 weights (for a GGUF model, read by its GGUF
 loader; for GPT-2/GPT-Neo, the hub folder) and llama.cpp through `llama_cpp` on the GGUF
-file itself. Repeats are interleaved so that machine noise falls on every contender alike.
+file itself. Repeats are interleaved, in a shuffled order each round, so that machine noise
+falls on every contender alike.
 """
 
 from __future__ import annotations
@@ -241,6 +243,7 @@ class BenchConfig:
     prompt_tokens: int = 64
     prefill_tokens: int = 512
     contexts: tuple[int, ...] = (64, 256, 1024)
+    prefill_rounds: int = 8  # a prefill is short beside this kind of machine's drift: more rounds
     latency_steps: int = 16
     precisions: tuple[str, ...] = ("bfloat16", "int8", "int4")
     batch: int = 8
@@ -313,9 +316,10 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
     if device == "cuda":
         report["note"] = "on CUDA load_model defaults to bfloat16; the exact path here is float32"
 
-    def section(name: str, unit: str, runs: dict[str, Callable[[], float]], higher_better: bool = True) -> None:
+    def section(name: str, unit: str, runs: dict[str, Callable[[], float]], higher_better: bool = True,
+                rounds: int | None = None) -> None:
         log(f"[{name}] ...")
-        figs = {k: f.as_dict() for k, f in interleaved(runs, cfg.repeats).items()}
+        figs = {k: f.as_dict() for k, f in interleaved(runs, rounds or cfg.repeats, shuffle_seed=0).items()}
         report[name] = {"unit": unit, "figures": figs,
                         "ratios": _ratios(figs, contenders, exact_name, higher_better)}
         _print_section(name, unit, report[name], log)
@@ -327,7 +331,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
         report["decode"]["same_tokens_as_exact_first_32"] = {k: v == outputs[exact_name] for k, v in outputs.items()}
     if "prefill" in cfg.sections:
         section("prefill", "tokens/s", {c.name: _timed(lambda c=c: c.prefill(prefill_ids), len(prefill_ids))
-                                        for c in contenders})
+                                        for c in contenders}, rounds=max(cfg.repeats, cfg.prefill_rounds))
     if "latency" in cfg.sections:
         _latency(report, contenders, text_ids, cfg, exact_name, log)
     if "hooks" in cfg.sections:

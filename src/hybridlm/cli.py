@@ -287,7 +287,7 @@ def bench(model_spec, threads, repeats, new_tokens, prompt_tokens, prefill_token
     if quick:
         cfg.repeats, cfg.new_tokens, cfg.prefill_tokens, cfg.latency_steps = 1, 16, 64, 4
         cfg.contexts, cfg.batch_new_tokens, cfg.agreement_tokens = (16, 64), 8, 64
-        cfg.hook_rounds, cfg.hook_steps, cfg.hook_prefill_rounds = 2, 2, 1
+        cfg.hook_rounds, cfg.hook_steps, cfg.hook_prefill_rounds, cfg.prefill_rounds = 2, 2, 1, 1
         cfg.prompt_tokens = min(cfg.prompt_tokens, 16)
     report = run_bench(cfg, log=click.echo)
     if out:
