@@ -337,6 +337,20 @@ def test_decode_attention_falls_back_where_it_does_not_apply(monkeypatch):
     assert torch.allclose(run_attention(attn, rot, strided, z, 30), ref, atol=1e-5)
 
 
+@requires_kernel
+def test_a_decode_step_under_autograd_keeps_its_graph(monkeypatch):
+    """With gradients wanted through z the step takes PyTorch's path (C keeps no graph):
+    d Σ O / dz equals the gradient of the float64 closed form."""
+    attn, rot, (x, _), z = attention_case(1, 4, 2, 16, 30, True, None, None, 0)
+    monkeypatch.setattr(kernels.DecodeAttention, "__call__", lambda *a: pytest.fail("the compiled step ran"))
+    z = z.clone().requires_grad_(True)
+    attn(z, torch.tensor([30]), x, rot).sum().backward()
+    z_ref = z.detach().clone().requires_grad_(True)
+    _, _, (x_ref, _), _ = attention_case(1, 4, 2, 16, 30, True, None, None, 0)
+    closed_form_attention(attn, rot, x_ref, z_ref, 30)[0].sum().backward()
+    assert z.grad.abs().max() > 0.1 and torch.allclose(z.grad, z_ref.grad, atol=1e-4, rtol=1e-4)
+
+
 # ---------------------------------------------------------------------- build and threads
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):

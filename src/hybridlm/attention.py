@@ -84,7 +84,8 @@ class Attention(DirectModule):
         B, m, _ = z.shape
         H, H_kv = self.n_head, self.n_kv_head
         heads = self.W_qkv(z).view(B, m, H + 2 * H_kv, self.d_head)  # [B, pos, head, d_k]
-        if m == 1 and state is not None and heads.dtype == torch.float32 and heads.is_cpu:
+        if (m == 1 and state is not None and heads.dtype == torch.float32 and heads.is_cpu
+                and not (heads.requires_grad and torch.is_grad_enabled())):  # (C keeps no graph)
             o = self._decode_step(heads, state, rotary)  # O [B, 1, H, d]
             if o is not None:
                 return self.W_O(o.reshape(B, 1, H * self.d_head))

@@ -80,7 +80,7 @@ class Arc:
 
     def summary(self) -> str:
         return (
-            f"{self.token_steps} token steps, {len(self.jumps)} jumps, "
+            f"{self.token_steps} token steps, {len(self.jumps)} jump{'' if len(self.jumps) == 1 else 's'}, "
             f"q_G {self.wall_generate_s:.2f} s, q_E {self.wall_external_s:.3f} s, stop: {self.stop_reason}"
         )
 
