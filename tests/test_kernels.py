@@ -389,7 +389,8 @@ def test_without_a_compiler_the_path_falls_back(fresh, monkeypatch):
 def test_a_failed_build_is_named_and_the_path_still_works(fresh, monkeypatch):
     (fresh / "src").mkdir()
     (fresh / "src" / "int4.c").write_text("this is not C\n")
-    (fresh / "src" / "attention.c").write_text((kernels._folder() / "attention.c").read_text())
+    for name in ("attention.c", *kernels._HEADERS):
+        (fresh / "src" / name).write_text((kernels._folder() / name).read_text())
     monkeypatch.setattr(kernels, "_folder", lambda: fresh / "src")
     if kernels.shutil.which("cc") is None and kernels.shutil.which("gcc") is None:
         pytest.skip("no C compiler here")

@@ -53,6 +53,7 @@ from hybridlm.errors import InputError
 from hybridlm.linear import BLOCK_COLUMNS, STEP_ROWS, cpuinfo
 
 _SOURCES = ("int4.c", "attention.c")  # in the folder of this module
+_HEADERS = ("simd.h",)  # what they include (part of the build's digest)
 
 
 class Int4Kernel:
@@ -243,7 +244,8 @@ def _load() -> Library:
     runtime = _torch_openmp()
     flags = ["-O3", "-fPIC", "-std=c11", "-ffp-contract=off"] + _cpu_flags() + (["-fopenmp"] if runtime else [])
     sources = [_folder() / name for name in _SOURCES]
-    digest = hashlib.sha256(b"\0".join([*(src.read_bytes() for src in sources), " ".join(flags).encode(),
+    texts = [path.read_bytes() for path in [*sources, *(_folder() / name for name in _HEADERS)]]
+    digest = hashlib.sha256(b"\0".join([*texts, " ".join(flags).encode(),
                                         str(runtime).encode(), compiler.encode()])).hexdigest()[:16]
     from hybridlm.gguf_file import cache_root
 

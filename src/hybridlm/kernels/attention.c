@@ -27,6 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HYBRIDLM_AVX2 1
@@ -42,13 +44,6 @@ static void rotate(const float *x, const float *cos, const float *sin, int64_t d
 }
 
 #ifdef HYBRIDLM_AVX2
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* e^x for x ≤ 0, eight at a time: x = k ln 2 + r with |r| ≤ ln 2 / 2 (ln 2 in two parts, so r
  * is exact), e^r by its degree-7 Taylor polynomial, times 2^k built in the exponent bits; 0
  * below −87 (near float's least normal number; a NaN stays NaN). Relative error below

@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "simd.h"
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -89,22 +91,24 @@ static void quantise_input(const float *x, int64_t R, int64_t K, int16_t *xq, fl
 #define INLINE static inline __attribute__((always_inline))
 
 #ifdef HYBRIDLM_AVX2
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
-
-#ifdef HYBRIDLM_AVX2
-/* Σ_j q[g, j] x̂[j] of one group, as eight partial sums. */
-INLINE __m256i group_dot(const uint8_t *p, const int16_t *x) {
+/* The 32 codes of one group (16 bytes at p) as 16-bit integers: q_0 … q_15 in *qa, q_16 … q_31 in *qb. */
+INLINE void unpack(const uint8_t *p, __m256i *qa, __m256i *qb) {
     const __m128i v = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(0x0F);
-    const __m256i qa = _mm256_cvtepu8_epi16(_mm_and_si128(v, low));                    /* q_0 … q_15 */
-    const __m256i qb = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low)); /* q_16 … q_31 */
+    *qa = _mm256_cvtepu8_epi16(_mm_and_si128(v, low));
+    *qb = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low));
+}
+
+/* Σ_j q[g, j] x̂[j] of one group (its codes unpacked), as eight partial sums. */
+INLINE __m256i unpacked_dot(__m256i qa, __m256i qb, const int16_t *x) {
     return _mm256_add_epi32(_mm256_madd_epi16(qa, _mm256_loadu_si256((const __m256i *)x)),
                             _mm256_madd_epi16(qb, _mm256_loadu_si256((const __m256i *)(x + 16))));
+}
+
+/* Σ_j q[g, j] x̂[j] of one group, as eight partial sums. */
+INLINE __m256i group_dot(const uint8_t *p, const int16_t *x) {
+    __m256i qa, qb;
+    unpack(p, &qa, &qb);
+    return unpacked_dot(qa, qb, x);
 }
 
 /* One row of x̂ against one output channel over its first 8⌊G/8⌋ groups: the integer sums of
@@ -147,14 +151,11 @@ INLINE void tile_channel(int tile, int64_t K, const uint8_t *p, const uint16_t *
     __m256 vacc[TILE];
     for (int t = 0; t < tile; ++t) vacc[t] = _mm256_setzero_ps();
     for (int64_t g = g0; g < G; ++g) {
-        const __m128i v = _mm_loadu_si128((const __m128i *)(p + 16 * g)), low = _mm_set1_epi8(0x0F);
-        const __m256i qa = _mm256_cvtepu8_epi16(_mm_and_si128(v, low));
-        const __m256i qb = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low));
+        __m256i qa, qb;
+        unpack(p + 16 * g, &qa, &qb);
         const float dg = half_to_float(d[g]), mg = half_to_float(m[g]);
         for (int t = 0; t < tile; ++t) {
-            const int16_t *xg = xq + t * K + g * GROUP;
-            const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(qa, _mm256_loadu_si256((const __m256i *)xg)),
-                                                 _mm256_madd_epi16(qb, _mm256_loadu_si256((const __m256i *)(xg + 16))));
+            const __m256i dot = unpacked_dot(qa, qb, xq + t * K + g * GROUP);
             vacc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dg * s[t * G + g]), _mm256_cvtepi32_ps(dot), vacc[t]);
             acc[t] += mg * X[t * G + g];
         }
