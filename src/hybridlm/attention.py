@@ -108,8 +108,8 @@ class Attention(DirectModule):
 
     def _watched(self) -> bool:
         """Whether a hook watches or replaces q, k, v, S, A or z (then every state is formed)."""
-        return bool(self.hook_q.fns or self.hook_k.fns or self.hook_v.fns or self.hook_attn_scores.fns
-                    or self.hook_pattern.fns or self.hook_z.fns)
+        return any(point.active for point in (self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores,
+                                               self.hook_pattern, self.hook_z))
 
     def _decode_step(self, heads, state, rotary):
         """One new row per sequence through the compiled decode step (hybridlm.kernels): the

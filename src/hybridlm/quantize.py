@@ -102,9 +102,10 @@ class Int4Linear(DirectModule):
         self.out_features, self.in_features = out, inp
         self.register_buffer("aten_packed", None)
         self.register_buffer("scales_and_zeros", None)
-        if weight.device.type == "cpu" and kernels.int4() is None:
-            kernels.warn_unavailable()
-        if weight.device.type == "cpu" and kernels.int4() is None and _aten_int4_kernel() and out % 16 == 0:
+        if weight.device.type != "cpu" or kernels.int4() is not None:
+            return
+        kernels.warn_unavailable()
+        if _aten_int4_kernel() and out % 16 == 0:
             # PyTorch's layout: Ŵ = (q − 8)·d + z with z = m + 8d, scales and zeros [groups, out, 2]
             self.aten_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out, inp).int(), 8)
             self.scales_and_zeros = torch.stack([d.float(), m.float() + 8 * d.float()], -1).transpose(0, 1) \
