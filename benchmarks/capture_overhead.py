@@ -30,8 +30,8 @@ def main(argv=None) -> int:
     from transformers import GPT2LMHeadModel
 
     from hybridlm import load_model
-    from hybridlm.capture import TrajectoryRecorder
-    from hybridlm.hub import save_gpt2_folder
+    from hybridlm.lm.capture import TrajectoryRecorder
+    from hybridlm.weights.hub import save_gpt2_folder
 
     ours = load_model("random:gpt2", seed=0)
     with tempfile.TemporaryDirectory() as folder:

@@ -23,8 +23,8 @@ import torch
 
 
 def models(size: str, horizon: int):
-    from hybridlm.config import ModelConfig
-    from hybridlm.loading import random_model
+    from hybridlm.lm.config import ModelConfig
+    from hybridlm.weights.loading import random_model
     from hybridlm.ssm import preset, random_stack
 
     ssm = random_stack(preset("ssm", size, n_ctx=horizon))

@@ -3,7 +3,7 @@
 import torch
 
 from hybridlm import ModelConfig, load_model
-from hybridlm.capture import TrajectoryRecorder, load_trajectory, run_with_trace
+from hybridlm.lm.capture import TrajectoryRecorder, load_trajectory, run_with_trace
 
 
 def small():

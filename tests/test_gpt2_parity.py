@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from hybridlm import ModelConfig, load_model, selection_P, selection_U
-from hybridlm.config import PRESETS
-from hybridlm.hub import save_gpt2_folder
+from hybridlm.lm.config import PRESETS
+from hybridlm.weights.hub import save_gpt2_folder
 from tests.conftest import make_hub_gpt2, perturb_
 
 TOL = 1e-4

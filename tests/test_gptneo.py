@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from hybridlm import ModelConfig, load_model
-from hybridlm.attention import causal_mask
-from hybridlm.config import HUB_REPOS, PRESETS
+from hybridlm.lm.attention import causal_mask
+from hybridlm.lm.config import PRESETS
+from hybridlm.weights.hub import HUB_REPOS, gptneo_config, gptneo_hub_config
 from hybridlm.errors import ConfigError
-from hybridlm.hub import load_hub_folder, save_hub_folder
+from hybridlm.weights.hub import load_hub_folder, save_hub_folder
 from tests.conftest import perturb_, perturb_biases_and_gains_
 from tests.test_state import check_run
 
@@ -214,9 +215,9 @@ def test_presets():
         assert c.attention_layers == ("global", "local") * (L // 2) and c.local_window == 256
         assert (c.attn_scale, c.attn_bias, c.attn_out_bias, c.tie_embeddings) == (1.0, False, True, True)
         assert HUB_REPOS[name].startswith("EleutherAI/gpt-neo-")
-        hf = c.to_hf_gptneo()
+        hf = gptneo_hub_config(c)
         assert hf["attention_types"] == [[["global", "local"], L // 2]]
-        assert ModelConfig.from_hf_gptneo(hf) == c
+        assert gptneo_config(hf) == c
 
 
 def test_config_json_round_trip():
@@ -240,15 +241,15 @@ def test_config_errors(change, message):
 
 
 def test_hub_config_errors(tmp_path):
-    hf = PRESETS["gpt-neo-125m"].to_hf_gptneo()
+    hf = gptneo_hub_config(PRESETS["gpt-neo-125m"])
     with pytest.raises(ConfigError, match="attention_types"):
-        ModelConfig.from_hf_gptneo({**hf, "attention_types": [["global", 12]]})
+        gptneo_config({**hf, "attention_types": [["global", 12]]})
     with pytest.raises(ConfigError, match="names 6 blocks but n_layer=12"):
-        ModelConfig.from_hf_gptneo({**hf, "attention_types": [[["global", "local"], 3]]})
+        gptneo_config({**hf, "attention_types": [[["global", "local"], 3]]})
     with pytest.raises(ConfigError, match="lacks the GPT-Neo field 'num_heads'"):
-        ModelConfig.from_hf_gptneo({k: v for k, v in hf.items() if k != "num_heads"})
+        gptneo_config({k: v for k, v in hf.items() if k != "num_heads"})
     with pytest.raises(ConfigError, match="cannot express"):
-        PRESETS["gpt-neo-125m"].replace(attn_scale=None).to_hf_gptneo()
+        gptneo_hub_config(PRESETS["gpt-neo-125m"].replace(attn_scale=None))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(ConfigError, match="model_type 'bert' is not supported.*gpt_neo"):
         load_model(tmp_path)

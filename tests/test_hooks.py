@@ -80,7 +80,7 @@ def test_rmsnorm_is_transformers_bit_for_bit_with_or_without_its_hook():
     bfloat16, and attaching a hook to its normalized state changes nothing."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from hybridlm.norm import RMSNorm
+    from hybridlm.lm.norm import RMSNorm
 
     g = torch.Generator().manual_seed(0)
     ours, ref = RMSNorm(48, 1e-5), LlamaRMSNorm(48, 1e-5)
@@ -131,7 +131,7 @@ def test_a_hook_that_replaces_q_or_k_is_rotated_as_the_fused_slice_would_be():
 def _members_agree(model) -> None:
     """Every part's submodules, parameters and buffers are plain attributes, the same objects
     as in its nn.Module tables, and nothing stale is left behind."""
-    from hybridlm.hooks import DirectModule
+    from hybridlm.lm.direct import DirectModule
 
     parts = [p for p in model.modules() if isinstance(p, DirectModule)]
     assert parts
@@ -145,7 +145,7 @@ def test_members_of_the_parts_stay_plain_attributes_through_every_change():
     """The parts keep their members in their instance dicts (no nn.Module.__getattr__ in the
     step); assignment, deletion, dtype conversion, deepcopy, pickling and
     torch.func.functional_call's swaps must all leave those copies right."""
-    from hybridlm.linear import Linear
+    from hybridlm.lm.linear import Linear
 
     m = small(norm="rmsnorm", positions="rotary", mlp="swiglu", n_kv_head=1, attn_bias=False, attn_out_bias=False)
     ids = torch.randint(0, 120, (1, 6), generator=torch.Generator().manual_seed(3))

@@ -16,9 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridlm import kernels
+from hybridlm.lm import kernels
 from hybridlm.errors import InputError
-from hybridlm.quantize import Int4Linear, _aten_int4_kernel, set_precision
+from hybridlm.lm.quantize import Int4Linear, _aten_int4_kernel, set_precision
 
 F64 = torch.float64
 requires_kernel = pytest.mark.skipif(kernels.library() is None, reason=f"kernels unavailable: {kernels.status()}")
@@ -190,10 +190,10 @@ def test_an_int4_model_pickles_and_copies(smollm2):
 def attention_case(B, H, H_kv, d, n, rotary, window, scale, seed):
     """An attention sublayer (W_O taken out, so its output is O) and two copies of a random
     state holding n positions."""
-    from hybridlm.attention import Attention
-    from hybridlm.config import ModelConfig
-    from hybridlm.positions import Rotary
-    from hybridlm.state import KVState
+    from hybridlm.lm.attention import Attention
+    from hybridlm.lm.config import ModelConfig
+    from hybridlm.lm.positions import Rotary
+    from hybridlm.lm.state import KVState
 
     cfg = ModelConfig(vocab_size=50, n_ctx=512, d_model=H * d, n_layer=1, n_head=H, n_kv_head=H_kv,
                       positions="rotary" if rotary else "learned", attn_scale=scale,

@@ -11,14 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridlm import Kernel, ModelConfig, load_model, token_clock
-from hybridlm import attention, linear
-from hybridlm.batched import generate_batch
-from hybridlm.bench import _text_ids
+from hybridlm.lm import attention, linear
+from hybridlm.engine.batched import generate_batch
+from hybridlm.bench.run import _text_ids
 from hybridlm.cli import cli
 from hybridlm.errors import InputError
-from hybridlm.hooks import without_hook_points
-from hybridlm.linear import Linear
-from hybridlm.quantize import Int8Linear, agreement, set_precision
+from hybridlm.bench.hookfree import without_hook_points
+from hybridlm.lm.linear import Linear
+from hybridlm.lm.quantize import Int8Linear, agreement, set_precision
 
 
 def tiny(**changes):

@@ -183,7 +183,7 @@ def test_bad_input_raises_named_errors():
 
 def test_load_model_specs():
     from hybridlm.errors import ModelNotFoundError
-    from hybridlm.loading import _random_stack
+    from hybridlm.weights.loading import _random_stack
 
     with pytest.raises(ModelNotFoundError, match="huge"):
         _random_stack("random-ssm:huge", seed=0, dtype=torch.float32)

@@ -108,9 +108,9 @@ def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top
              ban, steer, steer_layer, steer_scale):
     """Run the token-clock recursion from PROMPT and print the continuation."""
     from hybridlm.errors import InputError
-    from hybridlm.kernel import Kernel
-    from hybridlm.loading import load_model
-    from hybridlm.recursion import token_clock
+    from hybridlm.engine.sampling import Kernel
+    from hybridlm.weights.loading import load_model
+    from hybridlm.engine.clock import token_clock
 
     if greedy and temperature is not None:
         raise InputError("--greedy and --temperature exclude each other: greedy is the limit τ → 0")
@@ -194,8 +194,8 @@ def agent(task, model_spec, tools, kb, tool_choice, max_jumps, max_new_tokens, t
     """Run TASK through the agentic hybrid automaton (generate ⇄ external modes)."""
     from hybridlm.agent import HybridAgent, Limits, registry
     from hybridlm.errors import InputError
-    from hybridlm.kernel import Kernel
-    from hybridlm.loading import load_model
+    from hybridlm.engine.sampling import Kernel
+    from hybridlm.weights.loading import load_model
 
     if not task.strip():
         raise InputError("empty task: give the agent something to do")
@@ -231,7 +231,7 @@ def steer():
 def steer_build(model_spec, positive, negative, layer, out):
     """v = mean H⁽ℓ⁾ over the --pos prompts − mean over the --neg prompts; save it to OUT."""
     from hybridlm.control import contrast_vector
-    from hybridlm.loading import load_model
+    from hybridlm.weights.loading import load_model
 
     model = load_model(model_spec)
     cv = contrast_vector(model, list(positive), list(negative), layer)
@@ -261,7 +261,7 @@ def bench(model_spec, threads, repeats, new_tokens, prompt_tokens, prefill_token
     """Speed beside the references (transformers, llama.cpp), in one process: a table and JSON."""
     from hybridlm.bench import BenchConfig, run_bench, write_report
     from hybridlm.errors import InputError
-    from hybridlm.quantize import PRECISIONS
+    from hybridlm.lm.quantize import PRECISIONS
 
     def ints(text: str, what: str) -> tuple[int, ...]:
         try:
@@ -316,7 +316,7 @@ def trace_show(file, tokens):
 def trace_replay(file, model_spec):
     """Re-run the arc of FILE with its seed (observations from the trace) and compare tokens."""
     from hybridlm.agent import replay
-    from hybridlm.loading import load_model
+    from hybridlm.weights.loading import load_model
 
     arc, same, first = replay(file, load_model(model_spec))
     if same:
@@ -340,7 +340,7 @@ def eval_agent(model_spec, n, modes, out):
     """Arithmetic word problems: accuracy with the calculator and without tools."""
     from hybridlm.agent.evaluation import evaluate
     from hybridlm.errors import InputError
-    from hybridlm.loading import load_model
+    from hybridlm.weights.loading import load_model
 
     chosen = tuple(m.strip() for m in modes.split(","))
     if not set(chosen) <= {"tools", "no-tools"}:
@@ -386,7 +386,7 @@ def consensus(model_spec, weights, attention_only, prompts, prompt_len, passes, 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if sentence is not None:
         from hybridlm.analysis.consensus import table1
-        from hybridlm.loading import load_model
+        from hybridlm.weights.loading import load_model
 
         if not sentence.strip():
             raise InputError("--table1 needs a sentence")
@@ -397,7 +397,7 @@ def consensus(model_spec, weights, attention_only, prompts, prompt_len, passes, 
         return
     if out is None:
         raise InputError("--out DIR is needed for a consensus run (or use --table1)")
-    from hybridlm.loading import DEFAULT_MODEL
+    from hybridlm.weights.loading import DEFAULT_MODEL
 
     cfg = ConsensusConfig(model=model_spec or DEFAULT_MODEL, weights=weights, attention_only=attention_only,
                           prompts=prompts, prompt_len=prompt_len, passes=passes, seed=seed)
@@ -412,7 +412,7 @@ def consensus(model_spec, weights, attention_only, prompts, prompt_len, passes, 
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
 def models(as_json):
     """List the models available on this machine and where each comes from."""
-    from hybridlm.loading import available_models
+    from hybridlm.weights.loading import available_models
 
     rows = available_models()
     if as_json:
@@ -545,6 +545,9 @@ def _visible(steps, tok) -> list[int]:
 
 
 def main() -> None:
+    from hybridlm.memory import configure
+
+    configure()  # the process is ours: huge pages and warm freed memory (see hybridlm.memory)
     cli(prog_name="hybridlm")
 
 

@@ -8,8 +8,10 @@ again, which costs more than the arithmetic of the pass. `keep_freed_memory` rai
 threshold to glibc's ceiling (32 MiB) and the trim threshold out of reach, so freed pages stay
 in the process and are reused warm. The price: the resident size stays at its peak.
 
-`hybridlm` calls it once at import unless HYBRIDLM_KEEP_FREED_MEMORY=0; it does nothing where
-the C library has no `mallopt` (not glibc).
+Importing hybridlm changes nothing in the host process: the command line and the benchmark
+call `configure()` at their start (unless HYBRIDLM_KEEP_FREED_MEMORY=0), and a program that
+embeds hybridlm may call it too. It does nothing where the C library has no `mallopt` (not
+glibc).
 """
 
 from __future__ import annotations
@@ -31,10 +33,16 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_NEVER))
 
 
-def configure_from_env() -> None:
+configured = False  # whether configure() ran in this process
+
+
+def configure() -> None:
+    """Huge pages for large tensors and freed memory kept warm, for this process (opt-in)."""
+    global configured
     # Large tensors (weights, KV states, recorded trajectories) on transparent huge pages:
     # fewer TLB misses while a decode step streams the weights, fewer page faults while a
     # recording allocates. PyTorch reads this at its first large allocation; 0 opts out.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     if os.environ.get("HYBRIDLM_KEEP_FREED_MEMORY", "1") != "0":
         keep_freed_memory()
+    configured = True

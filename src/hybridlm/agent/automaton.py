@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from hybridlm.agent.grammar import OPEN, CallGrammar, FreeCall, TokenTable
+from hybridlm.agent.grammar import OPEN, CallGrammar, FreeCall
 from hybridlm.agent.protocol import Protocol
 from hybridlm.agent.tools import Observation, Tool, ToolRegistry
 from hybridlm.agent.trace import NullTrace, TraceWriter
 from hybridlm.errors import InputError
-from hybridlm.kernel import Kernel
+from hybridlm.engine.sampling import Kernel
 
 TOOL_CHOICES = ("auto", "required", "none")
 
@@ -85,16 +85,6 @@ class Arc:
         )
 
 
-_TABLES: dict[int, TokenTable] = {}
-
-
-def token_table(tokenizer) -> TokenTable:
-    key = id(tokenizer)
-    if key not in _TABLES:
-        _TABLES[key] = TokenTable(tokenizer)
-    return _TABLES[key]
-
-
 class HybridAgent:
     """H = (C, f, D, g) around a model and a tool registry."""
 
@@ -123,7 +113,7 @@ class HybridAgent:
         self.record_states = record_states and hasattr(model, "hooks")
         self.tokenizer = model.tokenizer
         self.protocol = Protocol(self.tokenizer, tools, example=example)
-        self.table = token_table(self.tokenizer)
+        self.table = self.tokenizer.table
         self.stop_ids = self.tokenizer.stop_ids()
         self.replay: list[dict] | None = None  # recorded observations, for replay
         self._prefix: tuple[list[int], object] | None = None  # (ids, state) of the fixed prompt prefix

@@ -25,7 +25,7 @@ import torch
 
 from hybridlm.analysis.sphere import consensus_E
 from hybridlm.errors import InputError
-from hybridlm.model import Block, DecoderLM, init_weights
+from hybridlm.lm.model import Block, DecoderLM, init_weights
 
 WEIGHTS = ("pretrained", "random-fixed", "random-redrawn")
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from hybridlm.analysis.sphere import SphereTrajectory, consensus_E
+from hybridlm.figures import save_figure
 
 
 def plot_sphere_trajectory(
@@ -70,18 +71,6 @@ def plot_sphere_trajectory(
     if title:
         fig.suptitle(title)
     return save_figure(fig, path, dpi=dpi)
-
-
-def save_figure(fig, path: str | Path, *, dpi: int | None = None) -> Path:
-    """Write `fig` to `path` (creating its folder) and release it from pyplot; returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    if getattr(fig.canvas, "manager", None) is not None:  # made by pyplot, which keeps it until closed
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
-    return path
 
 
 def _colors(n: int) -> list:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from hybridlm.analysis.consensus import WEIGHTS, embed, first_below, looped, random_prompts
-from hybridlm.analysis.plots import save_figure
+from hybridlm.figures import save_figure
 from hybridlm.errors import InputError
 
 THRESHOLD = 0.05
@@ -48,7 +48,7 @@ class ConsensusConfig:
 
 def prepare_model(cfg: ConsensusConfig, device: str):
     from hybridlm.analysis.consensus import reinit
-    from hybridlm.loading import load_model
+    from hybridlm.weights.loading import load_model
 
     model = load_model(cfg.model, device=device)
     if cfg.prompt_len > model.config.n_ctx:
@@ -156,9 +156,12 @@ def _summary(cfg: ConsensusConfig, out: Path, model, device: str) -> dict:
 
 
 def _version() -> str:
-    from hybridlm import __version__
+    from importlib.metadata import PackageNotFoundError, version
 
-    return __version__
+    try:
+        return version("hybridlm")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 def _plot(out: Path, summary: dict) -> None:

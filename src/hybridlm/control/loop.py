@@ -30,13 +30,7 @@ class ControlLoop:
         self.controllers = ordered(controllers)
         self.stop_ids = set(stop_ids)
         self.prefix = the_prefix(self.controllers)
-        tok = model.tokenizer
-        if tok is not None:
-            from hybridlm.agent.automaton import token_table
-
-            self.table = token_table(tok)
-        else:
-            self.table = None
+        self.table = None if model.tokenizer is None else model.tokenizer.table
         self.hidden: torch.Tensor | None = None
         self.texts: list[str] = []
 

@@ -79,9 +79,7 @@ class MultiObjective(Controller):
 
 def lexicon_score(tokenizer, words: Iterable[str], value: float = 1.0) -> Score:
     """r(w) = value for tokens whose text, stripped and lower-cased, is one of the words; else 0."""
-    from hybridlm.agent.automaton import token_table
-
-    table = token_table(tokenizer)
+    table = tokenizer.table
     keys = {w.strip().lower() for w in words if w.strip()}
     if not keys:
         raise InputError("an empty lexicon: expected at least one word")

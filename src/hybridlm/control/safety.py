@@ -70,11 +70,9 @@ class BannedWords(Barrier):
             raise InputError(f"banned words {list(words)!r}: expected a non-empty list of non-empty words")
         if tokenizer is None:
             raise InputError("a banned-word barrier needs a model with a tokenizer")
-        from hybridlm.agent.automaton import token_table
-
         self.words = list(dict.fromkeys(words))
         self.case_sensitive, self.word_start = case_sensitive, word_start
-        self.table = token_table(tokenizer)
+        self.table = tokenizer.table
         texts = [self._fold(s) for s in self.table.texts]
         keys = [self._fold(w) for w in self.words]
         self._keys = keys

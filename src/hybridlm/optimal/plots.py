@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridlm.analysis.plots import save_figure
+from hybridlm.figures import save_figure
 
 
 def _figure(ncols: int, width: float = 5.2):

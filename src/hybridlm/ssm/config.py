@@ -7,7 +7,7 @@ positions i of layer k:
 |--------|------------------------|------------------------------------------|
 | S      | diagonal selective SSM | c ∈ ℝ^{d_inner × d_state}, + conv window |
 | R      | Elman RNN              | c ∈ ℝ^{d_rnn}                            |
-| A      | attention (`hybridlm.model.Block`) | keys and values, grows with n |
+| A      | attention (`hybridlm.lm.model.Block`) | keys and values, grows with n |
 
 So `layers="SSSS"` is a selective SSM, `"RRRR"` an RNN and `"SSSA"` a hybrid stack in the
 manner of Jamba. Every block is pre-norm with a residual mixer sublayer and a residual MLP
@@ -21,7 +21,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from hybridlm.config import ModelConfig
+from hybridlm.lm.config import ModelConfig
 from hybridlm.errors import ConfigError
 
 KINDS = {"S": "selective SSM", "R": "Elman RNN", "A": "attention"}

@@ -26,11 +26,12 @@ import torch
 from torch import nn
 
 from hybridlm.errors import InputError
-from hybridlm.hooks import DirectModule, HookedModule, HookPoint
-from hybridlm.linear import column_major_zeros
-from hybridlm.mlp import make_mlp
-from hybridlm.model import Block, StateSpaceForm
-from hybridlm.norm import make_norm
+from hybridlm.lm.direct import DirectModule
+from hybridlm.lm.hooks import HookedModule, HookPoint
+from hybridlm.lm.linear import column_major_zeros
+from hybridlm.lm.mlp import make_mlp
+from hybridlm.lm.model import Block, StateSpaceForm
+from hybridlm.lm.norm import make_norm
 from hybridlm.ssm.config import StackConfig
 from hybridlm.ssm.rnn import ElmanRNN
 from hybridlm.ssm.selective import SelectiveSSM

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from hybridlm.analysis.plots import save_figure
+from hybridlm.figures import save_figure
 from hybridlm.ssm.model import StackLM
 
 

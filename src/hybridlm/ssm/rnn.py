@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from hybridlm.hooks import DirectModule, HookPoint
-from hybridlm.linear import Linear
+from hybridlm.lm.direct import DirectModule
+from hybridlm.lm.hooks import HookPoint
+from hybridlm.lm.linear import Linear
 from hybridlm.ssm.config import StackConfig
 
 

@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlm.hooks import DirectModule, HookPoint
-from hybridlm.linear import Linear
+from hybridlm.lm.direct import DirectModule
+from hybridlm.lm.hooks import HookPoint
+from hybridlm.lm.linear import Linear
 from hybridlm.ssm.config import StackConfig
 from hybridlm.ssm.scan import parallel_scan, step
 

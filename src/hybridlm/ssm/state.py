@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from hybridlm.ssm.config import StackConfig
-from hybridlm.state import KVState
+from hybridlm.lm.state import KVState
 
 
 class SSMState:

@@ -2,7 +2,7 @@
 library, loaded with ctypes. Each has a PyTorch path beside it that computes the same map,
 taken wherever the library cannot be built or does not apply.
 
-`int4.c`, the product of the int4 path (`hybridlm.quantize.Int4Linear`). A decode step
+`int4.c`, the product of the int4 path (`hybridlm.lm.quantize.Int4Linear`). A decode step
 reads every weight once; in 4 bits the step is bound less by memory than by how fast the
 nibbles turn into products. PyTorch's own int4 kernel (`_weight_int4pack_mm_for_cpu`)
 converts them to floats and took 63 % of an int4 decode step of SmolLM2-135M on an AVX2
@@ -13,7 +13,7 @@ PyTorch's kernel reads). llama.cpp takes its input in 8 bits; here that cost the
 its agreement with float32 (94 % of greedy next tokens over 200 positions of SmolLM2,
 against 100 % in 16 bits, at the same speed).
 
-`attention.c`, one decode step of attention (`hybridlm.attention.Attention`, one new query
+`attention.c`, one decode step of attention (`hybridlm.lm.attention.Attention`, one new query
 row per sequence, no attention hook attached): rotary phases, the new key and value rows
 written into the state, and softmax(q Kᵀ · scale) V over the state, in one call. In PyTorch
 that is some 25 small operations and a fused attention kernel per layer, about a third of a
@@ -49,8 +49,9 @@ from pathlib import Path
 
 import torch
 
+from hybridlm.cache import cache_root
 from hybridlm.errors import InputError
-from hybridlm.linear import BLOCK_COLUMNS, STEP_ROWS, cpuinfo
+from hybridlm.lm.linear import BLOCK_COLUMNS, STEP_ROWS, cpuinfo
 
 _SOURCES = ("int4.c", "attention.c")  # in the folder of this module
 _HEADERS = ("simd.h",)  # what they include (part of the build's digest)
@@ -247,8 +248,6 @@ def _load() -> Library:
     texts = [path.read_bytes() for path in [*sources, *(_folder() / name for name in _HEADERS)]]
     digest = hashlib.sha256(b"\0".join([*texts, " ".join(flags).encode(),
                                         str(runtime).encode(), compiler.encode()])).hexdigest()[:16]
-    from hybridlm.gguf_file import cache_root
-
     target = cache_root() / "kernels" / f"hybridlm-{digest}.so"
     if not target.exists():
         _build(compiler, flags, runtime, sources, target)

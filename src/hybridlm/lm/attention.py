@@ -17,7 +17,7 @@ When a KV state is passed the new keys and values are written into it and the qu
 attend over every position held so far, so a decode step costs O(n), not a recompute.
 The explicit scores and pattern are formed only when a hook asks for them; otherwise
 PyTorch's fused scaled-dot-product kernel computes the same O. A decode step (one new row
-per sequence, float32 on the CPU) runs through the compiled kernel of `hybridlm.kernels`
+per sequence, float32 on the CPU) runs through the compiled kernel of `hybridlm.lm.kernels`
 where it is built: rotation, state rows and attention in one call, or, with a hook on q, k,
 v, S, A or z, in three calls with the hook points between them.
 """
@@ -29,12 +29,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hybridlm import kernels
-from hybridlm.config import ModelConfig
-from hybridlm.hooks import DirectModule, HookPoint
-from hybridlm.linear import Linear
-from hybridlm.positions import Rotary
-from hybridlm.state import KVState
+from hybridlm.lm import kernels
+from hybridlm.lm.config import ModelConfig
+from hybridlm.lm.direct import DirectModule
+from hybridlm.lm.hooks import HookPoint
+from hybridlm.lm.linear import Linear
+from hybridlm.lm.positions import Rotary
+from hybridlm.lm.state import KVState
 
 
 class Attention(DirectModule):
@@ -112,7 +113,7 @@ class Attention(DirectModule):
                                                self.hook_pattern, self.hook_z))
 
     def _decode_step(self, heads, state, rotary):
-        """One new row per sequence through the compiled decode step (hybridlm.kernels): the
+        """One new row per sequence through the compiled decode step (hybridlm.lm.kernels): the
         same rotation, state rows and attention as the PyTorch path, in one call; with a hook
         on q, k, v, S, A or z, in stages with the hook points between them (observing hooks
         change no bit). None where the library is missing or the state's buffer or the

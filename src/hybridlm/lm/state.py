@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridlm.config import ModelConfig
+from hybridlm.lm.config import ModelConfig
 
 _MIN_CAPACITY = 64
 

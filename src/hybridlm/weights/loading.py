@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from hybridlm.config import PRESETS, ModelConfig
+from hybridlm.lm.config import PRESETS, ModelConfig
 from hybridlm.errors import ModelNotFoundError
-from hybridlm.model import DecoderLM, init_weights
+from hybridlm.lm.model import DecoderLM, init_weights
 from hybridlm.tokenizer import gpt2_tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -51,7 +51,7 @@ def _load(spec, *, seed: int, dtype: torch.dtype) -> DecoderLM:
         raise ModelNotFoundError(f"model spec {spec!r}: expected a name, a path or a ModelConfig")
     name = os.fspath(spec)
     if name in GGUF_NAMES:
-        from hybridlm.gguf_file import load_gguf_model, smollm2_path
+        from hybridlm.weights.gguf import load_gguf_model, smollm2_path
 
         return load_gguf_model(smollm2_path(), dtype=dtype)
     if name.startswith(tuple(f"random-{f}:" for f in STACK_FAMILIES)):
@@ -63,17 +63,17 @@ def _load(spec, *, seed: int, dtype: torch.dtype) -> DecoderLM:
         return random_model(PRESETS[preset_name], seed=seed, dtype=dtype)
     path = Path(name).expanduser()
     if path.is_dir():
-        from hybridlm.hub import load_hub_folder
+        from hybridlm.weights.hub import load_hub_folder
 
         return _with_gpt2_tokenizer(load_hub_folder(path, dtype=dtype))
     if path.is_file():
         if path.suffix.lower() == ".gguf":
-            from hybridlm.gguf_file import load_gguf_model
+            from hybridlm.weights.gguf import load_gguf_model
 
             return load_gguf_model(path, dtype=dtype)
         raise ModelNotFoundError(f"{path}: expected a .gguf file or a folder with config.json + model.safetensors")
     if name in PRESETS:
-        from hybridlm.hub import fetch_from_hub, load_hub_folder
+        from hybridlm.weights.hub import fetch_from_hub, load_hub_folder
 
         model = load_hub_folder(fetch_from_hub(name), dtype=dtype)
         model.source = f"hub:{name}"
@@ -84,11 +84,11 @@ def _load(spec, *, seed: int, dtype: torch.dtype) -> DecoderLM:
 
 def available_models() -> list[dict]:
     """What `load_model` can load here without a network, and where each comes from."""
-    from hybridlm.config import HUB_REPOS
+    from hybridlm.weights.hub import HUB_REPOS
 
     rows = []
     try:
-        from hybridlm.gguf_file import smollm2_path
+        from hybridlm.weights.gguf import smollm2_path
 
         path = smollm2_path()
         size = path.stat().st_size / 2**20

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlm.config import ModelConfig
-from hybridlm.hooks import DirectModule, HookPoint
+from hybridlm.lm.config import ModelConfig
+from hybridlm.lm.direct import DirectModule
+from hybridlm.lm.hooks import HookPoint
 
 
 class LayerNorm(DirectModule):

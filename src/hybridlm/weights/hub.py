@@ -14,15 +14,165 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hybridlm.config import HUB_REPOS, ModelConfig
+from hybridlm.lm.config import ModelConfig
 from hybridlm.errors import ConfigError, ModelNotFoundError, WeightsError
-from hybridlm.model import DecoderLM
+from hybridlm.lm.model import DecoderLM
+from hybridlm.weights.checks import assemble
+
+#: Hub repository of each preset, for users with a network.
+HUB_REPOS: dict[str, str] = {
+    "gpt2": "openai-community/gpt2",
+    "gpt2-medium": "openai-community/gpt2-medium",
+    "gpt2-large": "openai-community/gpt2-large",
+    "gpt2-xl": "openai-community/gpt2-xl",
+    "gpt-neo-125m": "EleutherAI/gpt-neo-125m",
+    "gpt-neo-1.3b": "EleutherAI/gpt-neo-1.3B",
+    "gpt-neo-2.7b": "EleutherAI/gpt-neo-2.7B",
+}
+
+
+
+
+def gpt2_config(hf: dict[str, Any]) -> ModelConfig:
+    """Read a hub `config.json` of a GPT2LMHeadModel."""
+    _require_tanh_gelu(hf, "GPT-2")
+    try:
+        d_model = hf["n_embd"]
+        return ModelConfig(
+            family="gpt2",
+            vocab_size=hf["vocab_size"],
+            n_ctx=hf.get("n_positions", hf.get("n_ctx", 1024)),
+            d_model=d_model,
+            n_layer=hf["n_layer"],
+            n_head=hf["n_head"],
+            d_mlp=hf.get("n_inner") or 4 * d_model,
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+            init_std=hf.get("initializer_range", 0.02),
+        )
+    except KeyError as exc:
+        raise ConfigError(f"config.json lacks the GPT-2 field {exc.args[0]!r}") from None
+
+def gpt2_hub_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The hub `config.json` for this configuration (GPT-2 family only)."""
+    if cfg.family != "gpt2":
+        raise ConfigError(f"gpt2_hub_config needs a gpt2-family config, got {cfg.family!r}")
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.n_ctx,
+        "n_ctx": cfg.n_ctx,
+        "n_embd": cfg.d_model,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_inner": cfg.d_mlp,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": cfg.norm_eps,
+        "initializer_range": cfg.init_std,
+        "bos_token_id": cfg.bos_token_id if cfg.bos_token_id is not None else 50256,
+        "eos_token_id": cfg.eos_token_id if cfg.eos_token_id is not None else 50256,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "tie_word_embeddings": True,
+    }
+
+def gptneo_config(hf: dict[str, Any]) -> ModelConfig:
+    """Read a hub `config.json` of a GPTNeoForCausalLM (model_type "gpt_neo")."""
+    _require_tanh_gelu(hf, "GPT-Neo")
+    if not hf.get("tie_word_embeddings", True):
+        raise ConfigError("config.json has tie_word_embeddings=false: hybridlm reads tied GPT-Neo checkpoints only")
+    try:
+        d_model = hf["hidden_size"]
+        return ModelConfig(
+            family="gpt-neo",
+            vocab_size=hf["vocab_size"],
+            n_ctx=hf.get("max_position_embeddings", 2048),
+            d_model=d_model,
+            n_layer=hf["num_layers"],
+            n_head=hf["num_heads"],
+            d_mlp=hf.get("intermediate_size") or 4 * d_model,
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            attn_bias=False,
+            attn_scale=1.0,
+            attention_layers=_expand_attention_types(hf["attention_types"]),
+            local_window=hf.get("window_size", 256),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+            init_std=hf.get("initializer_range", 0.02),
+        )
+    except KeyError as exc:
+        raise ConfigError(f"config.json lacks the GPT-Neo field {exc.args[0]!r}") from None
+
+def gptneo_hub_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The hub `config.json` for this configuration (GPT-Neo family only)."""
+    if cfg.family != "gpt-neo":
+        raise ConfigError(f"gptneo_hub_config needs a gpt-neo-family config, got {cfg.family!r}")
+    fixed = dict(norm="layernorm", positions="learned", mlp="gelu", attn_bias=False, attn_out_bias=True,
+                 mlp_bias=True, tie_embeddings=True, attn_scale=1.0, n_kv_head=cfg.n_head)
+    differs = {k: getattr(cfg, k) for k, v in fixed.items() if getattr(cfg, k) != v}
+    if differs:
+        raise ConfigError(f"GPT-Neo's hub layout cannot express {differs}; it fixes {fixed}")
+    layers = cfg.attention_layers or ("global",) * cfg.n_layer
+    period = next(p for p in range(1, len(layers) + 1)
+                  if len(layers) % p == 0 and layers == layers[:p] * (len(layers) // p))
+    return {
+        "architectures": ["GPTNeoForCausalLM"],
+        "model_type": "gpt_neo",
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.n_ctx,
+        "hidden_size": cfg.d_model,
+        "num_layers": cfg.n_layer,
+        "num_heads": cfg.n_head,
+        "intermediate_size": cfg.d_mlp,
+        "attention_types": [[list(layers[:period]), len(layers) // period]],
+        "window_size": cfg.local_window,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": cfg.norm_eps,
+        "initializer_range": cfg.init_std,
+        "bos_token_id": cfg.bos_token_id if cfg.bos_token_id is not None else 50256,
+        "eos_token_id": cfg.eos_token_id if cfg.eos_token_id is not None else 50256,
+        "resid_dropout": 0.0,
+        "embed_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": True,
+    }
+
+
+
+
+def _expand_attention_types(types: Any) -> tuple[str, ...]:
+    """GPT-Neo's [[["global", "local"], 6]] (a pattern and its repeat count) → one entry per block."""
+    try:
+        layers: list[str] = []
+        for pattern, repeat in types:
+            if isinstance(pattern, str) or isinstance(repeat, bool) or not isinstance(repeat, int):
+                raise TypeError
+            layers += list(pattern) * repeat
+        return tuple(layers)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"attention_types={types!r} in config.json: expected [[pattern, repeats], ...], "
+            'e.g. [[["global", "local"], 6]]'
+        ) from None
+
+
+def _require_tanh_gelu(hf: dict[str, Any], family: str) -> None:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ConfigError(
+            f"activation_function={act!r} in config.json: hybridlm's {family} family uses the "
+            "tanh form of GELU ('gelu_new')"
+        )
+
 
 # hub name (after the optional "transformer." prefix) → (our name, transpose)
 _GLOBAL = {"wte.weight": ("W_e", False), "wpe.weight": ("pos_embed.W_p", False),
@@ -55,8 +205,8 @@ GPT2 = Layout(
         "mlp.c_proj.weight": ("mlp.W_proj.weight", True), "mlp.c_proj.bias": ("mlp.W_proj.bias", False),
     },
     skip=(".attn.bias", ".attn.masked_bias", "lm_head.weight"),
-    read_config=ModelConfig.from_hf_gpt2,
-    write_config=ModelConfig.to_hf_gpt2,
+    read_config=gpt2_config,
+    write_config=gpt2_hub_config,
 )
 
 GPT_NEO = Layout(
@@ -71,8 +221,8 @@ GPT_NEO = Layout(
         "mlp.c_proj.weight": ("mlp.W_proj.weight", False), "mlp.c_proj.bias": ("mlp.W_proj.bias", False),
     },
     skip=(".attn.attention.bias", ".attn.attention.masked_bias", "lm_head.weight"),
-    read_config=ModelConfig.from_hf_gptneo,
-    write_config=ModelConfig.to_hf_gptneo,
+    read_config=gptneo_config,
+    write_config=gptneo_hub_config,
     split_qkv="attn.attention.",
 )
 
@@ -166,27 +316,13 @@ def load_hub_folder(folder: str | os.PathLike, *, dtype: torch.dtype = torch.flo
     tensors = read_safetensors(weight_files(folder))
     if layout.split_qkv:
         tensors = _stack_qkv(tensors, layout.split_qkv)
-    model = DecoderLM(cfg)
-    ours = dict(model.named_parameters())
-    seen: set[str] = set()
-    with torch.no_grad():
-        for name, t in tensors.items():
-            target = hub_to_ours(name, layout)
-            if target is None:
-                continue
+    weights = {}
+    for name, t in tensors.items():
+        target = hub_to_ours(name, layout)
+        if target is not None:
             key, transpose = target
-            if key not in ours:
-                raise WeightsError(f"tensor {name!r} has no place in a {cfg.n_layer}-layer model")
-            t = t.T if transpose else t
-            if tuple(t.shape) != tuple(ours[key].shape):
-                raise WeightsError(
-                    f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(ours[key].shape)} from config.json"
-                )
-            ours[key].copy_(t)
-            seen.add(key)
-    missing = sorted(set(ours) - seen)
-    if missing:
-        raise WeightsError(f"{folder}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
+            weights[key] = t.T if transpose else t
+    model = assemble(cfg, weights, None, origin=str(folder))
     model.source = str(folder)
     return model.to(dtype)
 

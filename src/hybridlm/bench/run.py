@@ -72,8 +72,8 @@ class Contender:
 
 def hybridlm_contender(model, name: str) -> Contender:
     """hybridlm's own paths, hooks off (`_hook_costs` prices the hook modes)."""
-    from hybridlm.kernel import Kernel
-    from hybridlm.recursion import token_clock
+    from hybridlm.engine.sampling import Kernel
+    from hybridlm.engine.clock import token_clock
 
     device = model.W_e.device
 
@@ -104,8 +104,8 @@ def hybridlm_contender(model, name: str) -> Contender:
 
 def hook_context(model, mode: str):
     """The context of a hook mode: off | stripped (no hook points) | residuals | all (recorded)."""
-    from hybridlm.capture import TrajectoryRecorder
-    from hybridlm.hooks import without_hook_points
+    from hybridlm.lm.capture import TrajectoryRecorder
+    from hybridlm.bench.hookfree import without_hook_points
 
     if mode == "stripped":
         return without_hook_points(model)
@@ -258,10 +258,12 @@ class BenchConfig:
 
 
 def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
-    from hybridlm import kernels, linear
-    from hybridlm.loading import load_model
-    from hybridlm.quantize import agreement, set_precision
+    from hybridlm.lm import kernels, linear
+    from hybridlm.weights.loading import load_model
+    from hybridlm.lm.quantize import agreement, set_precision
+    from hybridlm.memory import configure
 
+    configure()
     torch.set_num_threads(cfg.threads)
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     rss0 = _rss_mb()
@@ -383,8 +385,8 @@ def _latency(report: dict, contenders: list[Contender], text_ids, cfg: BenchConf
 
 
 def _batch(model, text_ids, cfg: BenchConfig, log) -> dict:
-    from hybridlm.batched import generate_batch
-    from hybridlm.kernel import Kernel
+    from hybridlm.engine.batched import generate_batch
+    from hybridlm.engine.sampling import Kernel
 
     prompts = [text_ids[i : i + cfg.prompt_tokens] for i in range(cfg.batch)]
     kernel = Kernel(greedy=True)
@@ -516,7 +518,7 @@ def _transformers_model(model):
                                                     torch_dtype=torch.float32)
     if model.config.family not in ("gpt2", "gpt-neo"):
         return None
-    from hybridlm.hub import save_hub_folder
+    from hybridlm.weights.hub import save_hub_folder
 
     with tempfile.TemporaryDirectory() as folder:
         save_hub_folder(model, folder)
@@ -547,7 +549,7 @@ def _sync(device) -> None:
 
 
 def _cpu_has_bf16() -> bool:
-    from hybridlm.linear import cpuinfo
+    from hybridlm.lm.linear import cpuinfo
 
     flags = cpuinfo("flags")
     return flags is None or "avx512_bf16" in flags.split() or "amx_bf16" in flags.split()  # unknown: say nothing

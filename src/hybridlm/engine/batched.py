@@ -20,10 +20,10 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from hybridlm.errors import InputError
-from hybridlm.kernel import Kernel
-from hybridlm.linear import step_products
-from hybridlm.model import DecoderLM
-from hybridlm.recursion import Generation, TokenStep, _default_stops
+from hybridlm.engine.sampling import Kernel
+from hybridlm.lm.linear import step_products
+from hybridlm.lm.model import DecoderLM
+from hybridlm.engine.clock import Generation, TokenStep, _default_stops
 
 
 def generate_batch(

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridlm.kernel import Kernel
-from hybridlm.linear import step_products
-from hybridlm.model import DecoderLM
-from hybridlm.state import KVState
+from hybridlm.engine.sampling import Kernel
+from hybridlm.lm.linear import step_products
+from hybridlm.lm.model import DecoderLM
+from hybridlm.lm.state import KVState
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from hybridlm.hooks import HookPoint
+from hybridlm.lm.hooks import HookPoint
 
 _LAYER = re.compile(r"^blocks\.(\d+)\.")
 

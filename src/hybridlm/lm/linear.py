@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from hybridlm.errors import InputError
-from hybridlm.hooks import DirectModule
+from hybridlm.lm.direct import DirectModule
 
 STEP_ROWS = 32  # a token step with at most this many rows (B · m) takes the step BLAS
 BLOCK_COLUMNS = 768  # a product of more rows than STEP_ROWS is taken in blocks of this many columns

@@ -22,15 +22,16 @@ import torch
 from torch import nn
 
 from hybridlm.alphabet import check_tokens, selection_P, selection_U, truncate
-from hybridlm.attention import Attention
-from hybridlm.config import ModelConfig
+from hybridlm.lm.attention import Attention
+from hybridlm.lm.config import ModelConfig
 from hybridlm.errors import InputError
-from hybridlm.hooks import DirectModule, HookedModule, HookPoint
-from hybridlm.linear import affine, column_major_zeros, step_products
-from hybridlm.mlp import make_mlp
-from hybridlm.norm import make_norm
-from hybridlm.positions import LearnedPositions, Rotary
-from hybridlm.state import KVState
+from hybridlm.lm.direct import DirectModule
+from hybridlm.lm.hooks import HookedModule, HookPoint
+from hybridlm.lm.linear import affine, column_major_zeros, step_products
+from hybridlm.lm.mlp import make_mlp
+from hybridlm.lm.norm import make_norm
+from hybridlm.lm.positions import LearnedPositions, Rotary
+from hybridlm.lm.state import KVState
 
 
 class Block(DirectModule):
@@ -83,7 +84,7 @@ class StateSpaceForm:
         makes a decode step's many small kernels cheaper); the state's buffers and the
         readout it keeps are ordinary tensors, free to be read, changed or differentiated
         afterwards. A step of few rows runs its products through the step BLAS
-        (`hybridlm.linear.step_products`).
+        (`hybridlm.lm.linear.step_products`).
         """
         w = torch.as_tensor(w, dtype=torch.long, device=x.device)
         if w.dim() == 1:
@@ -134,7 +135,7 @@ class DecoderLM(StateSpaceForm, HookedModule):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        # W_e and W_u column-major, like every affine map's W (see hybridlm.linear): the readout
+        # W_e and W_u column-major, like every affine map's W (see hybridlm.lm.linear): the readout
         # h W_eᵀ is the largest product of a decode step and streams 20-25 % faster this way;
         # the embedding's row lookups become strided gathers, a few ms on a 512-token prefill.
         self.W_e = nn.Parameter(column_major_zeros(cfg.vocab_size, cfg.d_model))
@@ -145,7 +146,7 @@ class DecoderLM(StateSpaceForm, HookedModule):
         self.ln_final = make_norm(cfg)
         self.W_u = None if cfg.tie_embeddings else nn.Parameter(column_major_zeros(cfg.vocab_size, cfg.d_model))
         self.hook_logits = HookPoint()
-        self.readout_map = None  # a reduced-precision W_u (hybridlm.quantize); None: exact
+        self.readout_map = None  # a reduced-precision W_u (hybridlm.lm.quantize); None: exact
         self.precision = "float32"
         self.tokenizer = None  # set by the loader
         self.source = "config"  # where the weights came from, for reports

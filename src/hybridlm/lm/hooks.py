@@ -1,0 +1,126 @@
+"""Named hook points: observe or replace any state of the trajectory.
+
+Every intermediate state of the generative map passes through a `HookPoint` whose
+dotted name follows TransformerLens (`blocks.3.hook_resid_pre`,
+`blocks.3.attn.hook_pattern`, ...). A hook point with no hook attached returns its input
+at the cost of one Python call, so observability is off by default and costs nothing
+measurable when off. A hook is `fn(x, hook) -> Tensor | None`; returning a tensor
+replaces the state, which is how inputs are injected into the residual stream.
+
+`hook.ctx` is shared by all hook points of a model and says where the current call sits
+in the trajectory: `ctx.pos` holds the positions (in the context) of the rows being
+computed, so a hook can tell prefill (many rows) from a decode step (one row).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+HookFn = Callable[[torch.Tensor, "HookPoint"], Optional[torch.Tensor]]
+
+
+@dataclass
+class HookContext:
+    """Where the current forward call sits: positions of the rows being computed."""
+
+    pos: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class HookPoint(nn.Module):
+    """Identity map with optional hooks; registered as a submodule to get its dotted name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fns: list[HookFn] = []
+        self.name: str = ""
+        self.ctx: HookContext = HookContext()
+
+    # A plain __call__ bypasses nn.Module's dispatch: the off path is one attribute test.
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fns:
+            return x
+        for fn in self.fns:
+            out = fn(x, self)
+            if out is not None:
+                x = out
+        return x
+
+    @property
+    def active(self) -> bool:
+        return bool(self.fns)
+
+    def extra_repr(self) -> str:
+        return self.name
+
+
+class HookedModule(nn.Module):
+    """Mixin for a model whose hook points are addressed by name."""
+
+    def setup_hooks(self) -> None:
+        """Name every hook point after its place in the module tree; share one context."""
+        self.hook_ctx = HookContext()
+        self._hook_points: dict[str, HookPoint] = {}
+        for name, module in self.named_modules():
+            if isinstance(module, HookPoint):
+                module.name = name
+                module.ctx = self.hook_ctx
+                self._hook_points[name] = module
+
+    @property
+    def hook_points(self) -> dict[str, HookPoint]:
+        return self._hook_points
+
+    def hook_point(self, name: str) -> HookPoint:
+        try:
+            return self._hook_points[name]
+        except KeyError:
+            close = [n for n in self._hook_points if n.endswith(name.split(".")[-1])][:5]
+            raise KeyError(f"no hook point named {name!r}; e.g. {close or list(self._hook_points)[:5]}") from None
+
+    def _select(self, names: str | list[str] | Callable[[str], bool]) -> list[str]:
+        if callable(names):
+            return [n for n in self._hook_points if names(n)]
+        if isinstance(names, str):
+            names = [names]
+        for n in names:
+            self.hook_point(n)
+        return list(names)
+
+    @contextlib.contextmanager
+    def hooks(self, fwd: dict[str, HookFn] | list[tuple[str, HookFn]]) -> Iterator[None]:
+        """Attach hooks for the duration of a `with` block: {name: fn} or [(name, fn), ...]."""
+        pairs = list(fwd.items()) if isinstance(fwd, dict) else list(fwd)
+        attached: list[tuple[HookPoint, HookFn]] = []
+        try:
+            for name, fn in pairs:
+                point = self.hook_point(name)
+                point.fns.append(fn)
+                attached.append((point, fn))
+            yield
+        finally:
+            for point, fn in attached:
+                point.fns.remove(fn)
+
+    def reset_hooks(self) -> None:
+        for point in self._hook_points.values():
+            point.fns.clear()
+
+    def run_with_cache(
+        self, *args, names: str | list[str] | Callable[[str], bool] = lambda n: True, **kwargs
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Run the model and return its output and the states at the selected hook points."""
+        cache: dict[str, torch.Tensor] = {}
+
+        def save(x: torch.Tensor, hook: HookPoint) -> None:
+            cache[hook.name] = x.detach()
+
+        with self.hooks([(n, save) for n in self._select(names)]):
+            out = self(*args, **kwargs)
+        return out, cache
