@@ -42,6 +42,11 @@ class Tool:
     parameters: dict  # JSON schema of the arguments object
     fn: Callable[..., Any]
     timeout_s: float = 5.0
+    # Where the call runs: "process" (a worker process, stopped at the timeout whatever it does)
+    # or "thread" (in this process: tools that talk to a live object here, an MCP session or a
+    # plant, and enforce their own timeout).
+    runs_in: str = "process"
+    server: str | None = None  # the tool server that offers it (an MCP server), for the trace
 
     def signature_text(self) -> str:
         props = self.parameters.get("properties", {})
