@@ -389,7 +389,7 @@ def test_without_a_compiler_the_path_falls_back(fresh, monkeypatch):
 def test_a_failed_build_is_named_and_the_path_still_works(fresh, monkeypatch):
     (fresh / "src").mkdir()
     (fresh / "src" / "int4.c").write_text("this is not C\n")
-    for name in ("attention.c", *kernels._HEADERS):
+    for name in (*(s for s in kernels._SOURCES if s != "int4.c"), *kernels._HEADERS):
         (fresh / "src" / name).write_text((kernels._folder() / name).read_text())
     monkeypatch.setattr(kernels, "_folder", lambda: fresh / "src")
     if kernels.shutil.which("cc") is None and kernels.shutil.which("gcc") is None:
@@ -417,6 +417,8 @@ def test_the_portable_c_build_is_the_same_map(fresh, monkeypatch):
                                              (3, (2, 2, 12), 17, False, None, 1.0),
                                              (1, (4, 4, 8), 120, True, 1, None)]:
         check_attention(B, shape, n, rotary, window, scale, seed=n)
+    for case in [(1, 1, 1, False, 0), (33, 70, 5, True, 1), (96, 64, 2, True, 2), (200, 130, 17, False, 3)]:
+        check_affine(*case)
 
 
 @requires_kernel
@@ -445,3 +447,66 @@ def test_a_damaged_cache_file_is_built_again(fresh, monkeypatch):
     monkeypatch.setenv("HYBRIDLM_CACHE", str(other))
     kernels._state.clear()
     assert kernels.library().path == damaged and damaged.read_bytes()[:4] == b"\x7fELF"
+
+
+# ---------------------------------------------------------------------- the batch-invariant float32 product
+def column_major(N, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(K, N, generator=g).t(), torch.randn(N, generator=g)  # W [N, K] stored as Wᵀ rows
+
+
+def check_affine(N, K, R, bias, seed):
+    """y = x Wᵀ + b within float32's rounding of a K-term sum (γ_K Σ|W||x|, plus the bias's), and
+    every row's bits the same alone, in any batch, at any offset and on any thread count."""
+    W, b = column_major(N, K, seed)
+    b = b if bias else None
+    x = inputs(R, K, seed)
+    ref = x.to(F64) @ W.to(F64).T + (b.to(F64) if bias else 0)
+    bound = accumulation_bound(W.to(F64), x) + (ref.abs() * 2.0**-23 if bias else 0) + 1e-30
+    y = kernels.affine()(x, W, b)
+    assert y.shape == (R, N) and ((y.to(F64) - ref).abs() <= bound).all()
+    for r in {0, R // 2, R - 1}:
+        assert torch.equal(kernels.affine()(x[r : r + 1], W, b), y[r : r + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.affine()(x, W, b), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@requires_kernel
+@settings(max_examples=40, deadline=None)
+@given(N=st.integers(1, 200), K=st.integers(1, 300), R=st.integers(1, 32), bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_affine_kernel_is_the_closed_form_and_batch_invariant(N, K, R, bias, seed):
+    check_affine(N, K, R, bias, seed)
+
+
+@requires_kernel
+def test_a_token_steps_products_take_the_batch_invariant_kernel(monkeypatch):
+    """linear.affine sends a token step's rows (≤ STEP_ROWS, float32, column-major W) to the
+    kernel; where the library is missing the rows go one at a time, still batch-invariant."""
+    from hybridlm.lm import linear
+
+    W, b = column_major(96, 64, 1)
+    x = inputs(6, 64, 1)
+    y = linear.affine(x, W, b)
+    assert torch.equal(y, kernels.affine()(x, W, b))
+    assert torch.equal(linear.affine(x[2:3], W, b), y[2:3])
+    monkeypatch.setattr(kernels, "affine", lambda: None)
+    alone = linear.affine(x, W, b)
+    assert torch.equal(alone[4:5], linear.affine(x[4:5], W, b))
+    assert torch.allclose(alone, y, rtol=1e-5, atol=1e-5)
+
+
+@requires_kernel
+def test_int4_products_are_batch_invariant():
+    """A row of the int4 kernel has the same bits alone as in a tile of rows."""
+    W, b = weights(70, 32 * 19, 7)
+    lin = Int4Linear(W, b)
+    x = inputs(13, 32 * 19, 7)
+    y = lin(x)
+    for r in range(13):
+        assert torch.equal(lin(x[r : r + 1]), y[r : r + 1])
+    assert torch.equal(lin(x[3:11]), y[3:11])

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from hybridlm import Kernel, ModelConfig, load_model, token_clock
 from hybridlm.lm import attention, linear
-from hybridlm.engine.batched import generate_batch
+from hybridlm.engine.clock import generate_batch
 from hybridlm.bench.run import _text_ids
 from hybridlm.cli import cli
 from hybridlm.errors import InputError
@@ -69,7 +69,7 @@ def test_batched_generation_equals_unbatched_runs():
         alone = list(token_clock(m, p, kernel=kernel, max_new_tokens=24, seed=s, stop_ids=stop))
         assert run.generated_ids == [x.token for x in alone]
         assert [round(x.logprob, 4) for x in run.steps] == [round(x.logprob, 4) for x in alone]
-    assert len({len(r.steps) for r in batched}) > 1 or all(r.stop_reason == "budget" for r in batched)
+    assert len({len(r.steps) for r in batched}) > 1 or all(r.stop_reason == "token_budget" for r in batched)
 
 
 def test_batched_generation_rejects_bad_input():
@@ -207,29 +207,7 @@ def test_column_major_weights_are_the_same_map():
     assert torch.allclose(m(ids), ref, atol=1e-6, rtol=1e-5)
 
 
-# ---------------------------------------------------------------------- the step BLAS
-needs_openblas = pytest.mark.skipif(not linear._numpy_has_openblas(), reason="NumPy's BLAS is not OpenBLAS here")
-
-
-@needs_openblas
-def test_step_blas_is_the_same_affine_map(monkeypatch):
-    """Products through OpenBLAS equal PyTorch's up to float32 round-off, for every layout."""
-    monkeypatch.setattr(linear, "BACKEND", "openblas")
-    m = tiny()
-    g = torch.Generator().manual_seed(4)
-    W, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
-    x = torch.randn(3, 2, 64, generator=g)
-    with linear.step_products(m, rows=6):
-        assert linear._step.active and torch.get_num_threads() == 1
-        for weight in (W, W.t().contiguous().t(), torch.nn.Parameter(W)):
-            for inp in (x, x.transpose(0, 1)):  # a non-contiguous input too
-                y = linear.affine(inp, weight, b)
-                assert y.shape == (*inp.shape[:-1], 96)
-                assert torch.allclose(y, torch.nn.functional.linear(inp, W, b), rtol=1e-5, atol=1e-5)
-        assert linear.affine(x.double(), W.double()).dtype == torch.float64  # other dtypes: PyTorch's product
-    assert not linear._step.active
-
-
+# ---------------------------------------------------------------------- a token step's products
 _column_blocks = linear._column_blocks  # (the real one, under the spy below)
 
 
@@ -253,43 +231,3 @@ def test_a_long_block_in_column_blocks_is_the_one_product(monkeypatch):
     Wg = torch.nn.Parameter(W.clone())
     linear.affine(x, Wg, b).sum().backward()
     assert len(blocks) == 4 and torch.allclose(Wg.grad, x.reshape(-1, 64).sum(0).expand(cols, 64))
-
-
-@needs_openblas
-def test_step_blas_window_restores_the_thread_count_and_skips_what_it_must(monkeypatch):
-    monkeypatch.setattr(linear, "BACKEND", "openblas")
-    m, before = tiny(), torch.get_num_threads()
-    with pytest.raises(ValueError, match="boom"):
-        with linear.step_products(m, rows=1):
-            raise ValueError("boom")
-    assert torch.get_num_threads() == before and not linear._step.active
-    with linear.step_products(m, rows=linear.STEP_ROWS + 1):  # a long block: PyTorch's products
-        assert not linear._step.active
-    q = set_precision(tiny(), "int8")  # quantised kernels keep PyTorch's threads
-    with linear.step_products(q, rows=1):
-        assert not linear._step.active and torch.get_num_threads() == before
-
-
-@needs_openblas
-@pytest.mark.parametrize("kv", [4, 1])
-def test_decode_with_the_step_blas_equals_the_recomputed_map(monkeypatch, kv):
-    """F's decode steps (OpenBLAS) against one prefill of the whole string (PyTorch's BLAS)."""
-    monkeypatch.setattr(linear, "BACKEND", "openblas")
-    m = tiny(n_kv_head=kv)
-    ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(kv))
-    x = m.init_state(ids[:, :12])
-    for i in range(12, 20):
-        m.F(x, ids[:, i])
-    assert torch.allclose(m.G(x), m(ids)[:, -1], rtol=1e-4, atol=1e-4)
-    greedy = [s.token for s in token_clock(m, ids[0, :5], kernel=Kernel(greedy=True), max_new_tokens=6, stop_ids=set())]
-    monkeypatch.setattr(linear, "BACKEND", "torch")
-    assert greedy == [s.token for s in token_clock(m, ids[0, :5], kernel=Kernel(greedy=True), max_new_tokens=6,
-                                                  stop_ids=set())]
-
-
-def test_an_unknown_blas_choice_is_named(monkeypatch):
-    monkeypatch.setenv("HYBRIDLM_BLAS", "atlas")
-    with pytest.raises(InputError, match="HYBRIDLM_BLAS='atlas'"):
-        linear._detect_backend()
-    monkeypatch.setenv("HYBRIDLM_BLAS", "torch")
-    assert linear._detect_backend() == "torch"

@@ -11,7 +11,7 @@ every reference):
 - hooks: the decode step and the prefill with hooks off, in a build without hook points
   (`hooks.without_hook_points`), with every residual state recorded, and with every
   activation recorded (attention patterns included), finely interleaved (`_hook_costs`);
-- batch: aggregate tokens/s of B independent sequences (`batched.generate_batch`) vs B = 1;
+- batch: aggregate tokens/s of B independent sequences (`engine.generate_batch`) vs B = 1;
 - agreement: teacher-forced greedy agreement of each reduced-precision path with the
   exact one over a text of `agreement_tokens` tokens;
 - memory: resident memory added by loading each contender, the process peak, and the
@@ -258,7 +258,7 @@ class BenchConfig:
 
 
 def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
-    from hybridlm.lm import kernels, linear
+    from hybridlm.lm import kernels
     from hybridlm.weights.loading import load_model
     from hybridlm.lm.quantize import agreement, set_precision
     from hybridlm.memory import configure
@@ -302,7 +302,6 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
             llama.rss_mb = _rss_mb() - rss
             contenders.append(llama)
     log(f"device {device} ({_device_name(device)}), {cfg.threads} threads, torch {torch.__version__}, "
-        f"step BLAS {linear.BACKEND if device == 'cpu' else 'cuda'}, "
         f"model {exact.source}, {len(contenders)} contenders, {cfg.repeats} repeats")
     kernels_used = kernels.status() if device == "cpu" else None
     if kernels_used:
@@ -310,7 +309,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
 
     report: dict = {
         "device": device, "device_name": _device_name(device), "threads": cfg.threads,
-        "step_blas": linear.BACKEND if device == "cpu" else "cuda", "kernels": kernels_used,
+        "kernels": kernels_used,
         "torch": torch.__version__, "python": platform.python_version(), "model": exact.source,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()},
         "contenders": {c.name: {"rss_load_mb": round(c.rss_mb, 1), "reference": c.reference} for c in contenders},
@@ -385,7 +384,7 @@ def _latency(report: dict, contenders: list[Contender], text_ids, cfg: BenchConf
 
 
 def _batch(model, text_ids, cfg: BenchConfig, log) -> dict:
-    from hybridlm.engine.batched import generate_batch
+    from hybridlm.engine.clock import generate_batch
     from hybridlm.engine.sampling import Kernel
 
     prompts = [text_ids[i : i + cfg.prompt_tokens] for i in range(cfg.batch)]
@@ -549,7 +548,7 @@ def _sync(device) -> None:
 
 
 def _cpu_has_bf16() -> bool:
-    from hybridlm.lm.linear import cpuinfo
+    from hybridlm.lm.cpu import cpuinfo
 
     flags = cpuinfo("flags")
     return flags is None or "avx512_bf16" in flags.split() or "amx_bf16" in flags.split()  # unknown: say nothing

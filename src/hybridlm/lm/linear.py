@@ -1,4 +1,4 @@
-"""Affine maps x ↦ x Wᵀ + b, and the BLAS that computes their products in a token step.
+"""Affine maps x ↦ x Wᵀ + b: every projection of the generative map (SPEC.md §2).
 
 `Linear` is `torch.nn.Linear` with two changes:
 
@@ -7,49 +7,33 @@
   over a second for a 135M model.
 - W ∈ ℝ^{out×in} is allocated column by column (a transposed view of a contiguous Wᵀ), so
   every loader's in-place copy lands in that layout directly. The map is the same; x Wᵀ
-  then reads Wᵀ row by row, which the CPU's matrix-vector kernels stream 5–10 % faster
-  during decoding (measured on 30 layers of SmolLM2-shaped matrices).
+  then reads Wᵀ row by row, the order in which a matrix-vector product streams it fastest.
 
-Which BLAS. A decode step is a chain of matrix-vector products, each reading a weight
-matrix once, so their speed is the memory bandwidth a BLAS reaches on a few rows. PyTorch's
-CPU build computes them with Intel's MKL, which on other x86 vendors' processors takes
-generic code paths: on an AMD EPYC, 30 layers of SmolLM2's products took 51 ms through MKL
-and 35 ms through the OpenBLAS that NumPy ships, on the same two threads. So on such a CPU
-the products of a token step (the rows of `F`, up to `STEP_ROWS` of them) run through
-NumPy's OpenBLAS on the threads PyTorch was given, while PyTorch's own small kernels
-(norms, rotary, attention over the state) run meanwhile on one thread: they are too small
-to split, and a PyTorch worker thread left spinning after a parallel region would take a
-core from OpenBLAS (that costs 4× the step). Everything else (prefill of long blocks,
-`model(ids)`, autograd) keeps PyTorch's own products, bit for bit.
-
-The two BLAS differ only in the order of float32 round-off within a dot product (|Δ| of a
-few units in the last place); both compute the same map in float32. `HYBRIDLM_BLAS=torch`
-or `=openblas` forces one (default `auto`: OpenBLAS on x86 CPUs that are not Intel's, when
-NumPy's BLAS is OpenBLAS and PyTorch's is MKL).
+Which product. A token step of the engine is a chain of matrix-vector products on a few
+rows (B sequences, one token each), each reading a weight matrix once for all of them. Its
+rows (at most `STEP_ROWS`) go through hybridlm's own float32 product (`kernels.affine`),
+whose every output is summed in one fixed order whatever the rows beside it: a sequence
+gets the same bits alone or in any batch, which a BLAS does not promise (it chooses its
+kernels and splits by the shape). Where the library is not built, the rows go through
+PyTorch's product one at a time, with the same guarantee at B times the cost. Products that
+autograd records, other dtypes and other devices keep PyTorch's product.
 
 Long blocks. A product of many rows (a prefill) is compute-bound; it is taken in blocks of
 `BLOCK_COLUMNS` output columns, each written in place into the one result. The BLAS
 computes each entry of x Wᵀ as the same dot product whatever the block (a test checks the
 numbers against the one product), and the blocks ran faster: a 512-token prefill of
 SmolLM2-135M, whose W_gate_up has 3072 columns, took 4.4 % less time (median of 14
-interleaved rounds; 1.5–8 % in four runs). Products that autograd records keep the one call.
+interleaved rounds).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import platform
-
-import numpy as np
 import torch
 from torch import nn
 
-from hybridlm.errors import InputError
+from hybridlm.lm import kernels
 from hybridlm.lm.direct import DirectModule
-
-STEP_ROWS = 32  # a token step with at most this many rows (B · m) takes the step BLAS
-BLOCK_COLUMNS = 768  # a product of more rows than STEP_ROWS is taken in blocks of this many columns
+from hybridlm.lm.kernels import BLOCK_COLUMNS, STEP_ROWS
 
 
 def column_major_zeros(rows: int, cols: int, **kwargs) -> torch.Tensor:
@@ -72,14 +56,17 @@ class Linear(DirectModule, nn.Linear):
 
 
 def affine(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x Wᵀ + b, through the step BLAS inside a token step (`step_products`), else PyTorch's
-    (in column blocks for a long block of rows)."""
-    if _step.active and x.dtype == torch.float32 and W.dtype == torch.float32 and x.device.type == "cpu":
-        try:
-            return _openblas_affine(x, W, b)
-        except (RuntimeError, TypeError):  # a tensor NumPy cannot view (a functorch wrapper, ...)
-            pass
-    elif W.shape[0] > BLOCK_COLUMNS and x.numel() > STEP_ROWS * x.shape[-1] and _plain(x, W, b):
+    """x Wᵀ + b: a token step's few rows batch-invariant, a long block in column blocks."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows <= STEP_ROWS and _plain(x, W, b):
+        product = kernels.affine()
+        if product is not None and product.applies(x, W, b):
+            return product(x, W, b)
+        if rows > 1:  # one row at a time: each row's bits as if it were alone
+            flat = x.reshape(rows, x.shape[-1])
+            out = torch.cat([torch.nn.functional.linear(flat[r : r + 1], W, b) for r in range(rows)])
+            return out.view(*x.shape[:-1], W.shape[0])
+    elif W.shape[0] > BLOCK_COLUMNS and _plain(x, W, b):
         return _column_blocks(x, W, b)
     return torch.nn.functional.linear(x, W, b)
 
@@ -102,99 +89,3 @@ def _column_blocks(x, W, b):
         else:
             torch.addmm(b[i:j], rows, W[i:j].t(), out=y[:, i:j])
     return y.view(*x.shape[:-1], W.shape[0])
-
-
-def _openblas_affine(x, W, b):
-    rows = x.reshape(-1, x.shape[-1])
-    y = torch.empty(rows.shape[0], W.shape[0])
-    np.matmul(rows.numpy(), W.detach().numpy().T, out=y.numpy())
-    if b is not None:
-        y += b
-    return y.view(*x.shape[:-1], W.shape[0])
-
-
-# ---------------------------------------------------------------------- the step BLAS
-class _StepProducts:
-    """While active, float32 CPU products go through NumPy's OpenBLAS (see the module text)."""
-
-    def __init__(self) -> None:
-        self.active = False
-        self.openblas_threads = None  # what we last set OpenBLAS to
-        self._controllers = None
-
-    def set_openblas_threads(self, n: int) -> None:
-        if n == self.openblas_threads:
-            return
-        if self._controllers is None:
-            from threadpoolctl import ThreadpoolController
-
-            self._controllers = [c for c in ThreadpoolController().lib_controllers if c.internal_api == "openblas"]
-        for c in self._controllers:
-            c.set_num_threads(n)
-        self.openblas_threads = n
-
-
-_step = _StepProducts()
-
-
-def _detect_backend() -> str:
-    choice = os.environ.get("HYBRIDLM_BLAS", "auto").lower()
-    if choice not in ("auto", "torch", "openblas"):
-        raise InputError(f"HYBRIDLM_BLAS={choice!r}: expected auto, torch or openblas")
-    if choice != "auto":
-        return choice if choice == "torch" or _numpy_has_openblas() else "torch"
-    if platform.machine().lower() not in ("x86_64", "amd64") or cpuinfo("vendor_id") == "GenuineIntel":
-        return "torch"
-    if "BLAS_INFO=mkl" not in torch.__config__.show() or not _numpy_has_openblas():
-        return "torch"
-    return "openblas"
-
-
-def cpuinfo(field: str) -> str | None:
-    """The first value of `field` in /proc/cpuinfo (vendor_id, flags, ...); None where unknown."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith(field):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def _numpy_has_openblas() -> bool:
-    try:
-        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
-    except (TypeError, KeyError):
-        return False
-    return "openblas" in str(blas.get("name", "")).lower()
-
-
-BACKEND = _detect_backend()  # the BLAS of a token step's products: "openblas" or "torch"
-
-
-def step_products(model, rows: int):
-    """The context of one token step of `model` with `rows` rows (B · m).
-
-    When the step BLAS is OpenBLAS and the model's products are exact float32 affine maps on
-    the CPU, PyTorch's pool runs on one thread inside, OpenBLAS on the pool's former count;
-    otherwise nothing changes. Nested calls reuse the outer one. The thread count is
-    process-wide, so other Python threads' PyTorch work runs on one thread meanwhile.
-    """
-    if (BACKEND != "openblas" or _step.active or rows > STEP_ROWS or getattr(model, "precision", None) != "float32"
-            or model.W_e.device.type != "cpu"):
-        return contextlib.nullcontext()
-    return _step_window()
-
-
-@contextlib.contextmanager
-def _step_window():
-    threads = torch.get_num_threads()
-    _step.set_openblas_threads(threads)
-    torch.set_num_threads(1)
-    _step.active = True
-    try:
-        yield
-    finally:
-        _step.active = False
-        torch.set_num_threads(threads)

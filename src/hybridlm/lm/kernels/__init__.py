@@ -51,10 +51,43 @@ import torch
 
 from hybridlm.cache import cache_root
 from hybridlm.errors import InputError
-from hybridlm.lm.linear import BLOCK_COLUMNS, STEP_ROWS, cpuinfo
+from hybridlm.lm.cpu import cpuinfo
 
-_SOURCES = ("int4.c", "attention.c")  # in the folder of this module
+STEP_ROWS = 32  # a product of at most this many rows (a token step's) takes the compiled kernels
+BLOCK_COLUMNS = 768  # a product of more rows is taken this many output columns at a time (the BLAS's)
+
+_SOURCES = ("affine.c", "int4.c", "attention.c")  # in the folder of this module
 _HEADERS = ("simd.h",)  # what they include (part of the build's digest)
+
+
+class AffineKernel:
+    """y = x Wᵀ + b in float32, batch-invariant: each row's result has the same bits whatever
+    rows stand beside it (affine.c states the order of the sums). For a token step's few rows."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._affine = _function(lib.hybridlm_affine, [p, i64, i64, p, i64, p, i64, p])
+
+    @staticmethod
+    def applies(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> bool:
+        """Float32 CPU tensors, W stored column by column (Wᵀ rows contiguous), outside autograd."""
+        grad = torch.is_grad_enabled()
+        return (x.dtype == W.dtype == torch.float32 and x.device.type == W.device.type == "cpu"
+                and W.dim() == 2 and W.stride(0) == 1 and W.stride(1) >= W.shape[0]
+                and (b is None or (b.dtype == torch.float32 and b.is_contiguous()))
+                and not (grad and (x.requires_grad or W.requires_grad or (b is not None and b.requires_grad))))
+
+    def __call__(self, x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] → [..., N] for W [N, K] (column by column) and b [N] or None."""
+        if not x.is_contiguous():
+            x = x.contiguous()
+        K, N = x.shape[-1], W.shape[0]
+        y = x.new_empty(x.shape[:-1] + (N,))
+        R = x.numel() // K if K else 0
+        if R:
+            self._affine(x.data_ptr(), R, K, W.data_ptr(), W.stride(1), None if b is None else b.data_ptr(), N,
+                         y.data_ptr())
+        return y
 
 
 class Int4Kernel:
@@ -124,6 +157,8 @@ class DecodeAttention:
                                [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, f32, p], ctypes.c_int)
         self._scores = _function(lib.hybridlm_attention_scores,
                                  [p, p, p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, f32, p], ctypes.c_int)
+        self._batch = _function(lib.hybridlm_decode_attention_batch,
+                                [p, i64, i64, i64, i64, p, p, p, i64, i64, p, p, f32, p], ctypes.c_int)
         self._pattern = _function(lib.hybridlm_attention_pattern, [p, i64, i64, i64, p])
         self._output = _function(lib.hybridlm_attention_output, [p, i64, i64, i64, i64, p, i64, i64, i64, p])
 
@@ -136,6 +171,21 @@ class DecodeAttention:
         if self._step(heads.data_ptr(), B, H, n_kv_head, d, K.data_ptr(), V.data_ptr(), K.shape[2], n, start,
                       *_rotary_rows(cos, sin, n, d), scale, out.data_ptr()):
             raise MemoryError(f"decode attention: no memory for the scores over {n + 1 - start} keys")
+        return out
+
+    def batch(self, heads: torch.Tensor, meta: torch.Tensor, layer: int, window: int | None,
+              cos: torch.Tensor | None, sin: torch.Tensor | None, scale: float, n_kv_head: int) -> torch.Tensor:
+        """A ragged batch in one call: heads [B, 1, H + 2·H_kv, d] → O [B, 1, H, d], row b against
+        its own state (`meta`: StateBatch.meta(), buffers [L, 2, 1, H_kv, cap_b, d]); cos and sin
+        the whole rotary tables [T, d] or None."""
+        B, _, width, d = heads.shape
+        H = width - 2 * n_kv_head
+        out = heads.new_empty(B, 1, H, d)
+        base, cap, n = meta[0], meta[1], meta[2]
+        if self._batch(heads.data_ptr(), B, H, n_kv_head, d, base.data_ptr(), cap.data_ptr(), n.data_ptr(), layer,
+                       window or 0, None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
+                       scale, out.data_ptr()):
+            raise MemoryError("decode attention: no memory for the scores of a batch")
         return out
 
     def scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n: int,
@@ -191,6 +241,7 @@ class Library:
         self.path = path
         self.vectorised = bool(lib.hybridlm_vectorised())
         self.team = lib.hybridlm_team  # () -> the threads its loops get (PyTorch's count)
+        self.affine = AffineKernel(lib)
         self.int4 = Int4Kernel(lib)
         self.decode_attention = DecodeAttention(lib)
 
@@ -206,6 +257,12 @@ def library() -> Library | None:
         except _Unavailable as exc:
             _state["library"], _state["why"] = None, str(exc)
     return _state["library"]
+
+
+def affine() -> AffineKernel | None:
+    """The batch-invariant float32 product, or None (then a token step's rows go one by one)."""
+    lib = library()
+    return None if lib is None else lib.affine
 
 
 def int4() -> Int4Kernel | None:
@@ -225,8 +282,8 @@ def status() -> str:
     lib = library()
     if lib is None:
         return f"PyTorch's kernels ({_state['why']})"
-    return (f"hybridlm's kernels ({'AVX2' if lib.vectorised else 'portable C'}): int4 product with 16-bit input "
-            f"per group of 32, decode attention")
+    return (f"hybridlm's kernels ({'AVX2' if lib.vectorised else 'portable C'}): batch-invariant float32 and int4 "
+            f"products (int4 with 16-bit input per group of 32), decode attention")
 
 
 class _Unavailable(Exception):

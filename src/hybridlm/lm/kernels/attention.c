@@ -243,3 +243,44 @@ void hybridlm_attention_output(const float *A, int64_t B, int64_t H, int64_t Hkv
         weighted_sum(A + task * (n + 1) + start, V + ((b * Hkv + j) * cap + start) * d, d, c, O + task * d);
     }
 }
+
+/* The one-call step for a ragged batch: B sequences, each with its own state (its own buffer,
+ * capacity and length), as the engine's rows are. Sequence b's state is the buffer at address
+ * base[b], laid out [L, 2, 1, H_kv, cap[b], d] (hybridlm.lm.state.KVState of one sequence); this
+ * call reads and writes layer `layer` of it at position n[b]. window > 0: a local layer reading
+ * the last `window` keys. cos and sin are the whole rotary tables [T, d] (NULL: no rotary); row
+ * n[b] of them rotates sequence b. Each (b, h) is computed exactly as the single-sequence call
+ * computes it, so a row's bits do not depend on its batch. Returns 0, or −1 without scratch. */
+int hybridlm_decode_attention_batch(const float *heads, int64_t B, int64_t H, int64_t Hkv, int64_t d,
+                                    const int64_t *base, const int64_t *cap, const int64_t *n, int64_t layer,
+                                    int64_t window, const float *cos, const float *sin, float scale, float *out) {
+    const int64_t group = H / Hkv, width = (H + 2 * Hkv) * d;
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        float *K = (float *)(intptr_t)base[b] + 2 * layer * Hkv * cap[b] * d, *V = K + Hkv * cap[b] * d;
+        const float *cb = cos ? cos + n[b] * d : 0, *sb = sin ? sin + n[b] * d : 0;
+        write_rows(heads + b * width + H * d, heads + b * width + (H + Hkv) * d, width, 1, Hkv, d, K, V, cap[b], n[b],
+                   cb, sb);
+        work += H * (n[b] + 1) * d;
+    }
+    int failed = 0;
+#pragma omp parallel for schedule(static) if (work > PARALLEL_WORK) reduction(| : failed)
+    for (int64_t task = 0; task < B * H; ++task) {
+        const int64_t b = task / H, h = task % H, j = h / group;
+        const int64_t start = window > 0 && n[b] + 1 > window ? n[b] + 1 - window : 0, c = n[b] + 1 - start;
+        float *scratch = malloc(sizeof(float) * (size_t)(c + d));
+        if (!scratch) {
+            failed = 1;
+            continue;
+        }
+        float *q = scratch + c;
+        query(heads + b * width + h * d, cos ? cos + n[b] * d : 0, sin ? sin + n[b] * d : 0, d, q);
+        const float *K = (const float *)(intptr_t)base[b] + 2 * layer * Hkv * cap[b] * d;
+        const float *Kb = K + (j * cap[b] + start) * d, *Vb = K + Hkv * cap[b] * d + (j * cap[b] + start) * d;
+        scores(q, Kb, d, c, scale, scratch);
+        softmax(scratch, c);
+        weighted_sum(scratch, Vb, d, c, out + (b * H + h) * d);
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}

@@ -12,8 +12,9 @@
  * nibble; d[o, g] and m[o, g] are IEEE half floats, as in a Q4_1 block.
  *
  * The AVX2 path forms Σ_j q x̂ of a group with two multiply-adds of 16-bit integers (vpmaddwd)
- * on the unpacked nibbles; a single row of x reduces eight groups' sums into one vector and
- * scales them together, tiles of up to TILE rows share each unpacked group. Output channels
+ * on the unpacked nibbles; each row of x reduces eight groups' sums into one vector and scales
+ * them together, tiles of up to TILE rows share each unpacked group, and a row's roundings do
+ * not depend on the tile it is in (the product is batch-invariant). Output channels
  * are split over an OpenMP team; the library is linked against the OpenMP runtime PyTorch
  * itself loaded, so the team is PyTorch's own intra-op pool and nothing competes with it for
  * the cores. Without AVX2, FMA and F16C the same sums run as plain loops.
@@ -111,32 +112,50 @@ INLINE __m256i group_dot(const uint8_t *p, const int16_t *x) {
     return unpacked_dot(qa, qb, x);
 }
 
-/* One row of x̂ against one output channel over its first 8⌊G/8⌋ groups: the integer sums of
- * eight groups are reduced into one vector (lane u: group g + u), then scaled by d·s and
- * offset by m·X eight groups at a time. */
-INLINE float row_octets(int64_t G, const uint8_t *p, const uint16_t *d, const uint16_t *m, const int16_t *x,
-                        const float *s, const float *X) {
-    __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+/* The integer sums t[u] (eight partial sums each) of the eight groups g … g + 7 of one row: reduced
+ * into one vector (lane u: group g + u), scaled by d·s into *acc and offset by m·X into *off. The
+ * one place where the float arithmetic of a row's first 8⌊G/8⌋ groups happens, so every row gets
+ * the same roundings whether it is alone or in a tile (the integer sums are exact either way). */
+INLINE void octet(const __m256i t[8], const uint16_t *d, const uint16_t *m, const float *s, const float *X,
+                  __m256 *acc, __m256 *off) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(t[0], t[1]), _mm256_hadd_epi32(t[2], t[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(t[4], t[5]), _mm256_hadd_epi32(t[6], t[7]));
+    const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                                          _mm256_permute2x128_si256(a, b, 0x31));
+    const __m256 ds = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)), _mm256_loadu_ps(s));
+    *acc = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(sums), *acc);
+    *off = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m)), _mm256_loadu_ps(X), *off);
+}
+
+/* The first 8⌊G/8⌋ groups of the rows t < tile of x̂ against one output channel, into acc[t]. A
+ * single row (a token step) unpacks each group as it goes; a tile unpacks eight groups once and
+ * shares them among its rows. */
+INLINE void tile_octets(int tile, int64_t G, int64_t K, const uint8_t *p, const uint16_t *d, const uint16_t *m,
+                        const int16_t *xq, const float *s, const float *X, float *acc) {
+    __m256 va[TILE], vo[TILE];
+    for (int r = 0; r < tile; ++r) va[r] = vo[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g + 8 <= G; g += 8) {
         __m256i t[8];
-        for (int u = 0; u < 8; ++u) t[u] = group_dot(p + 16 * (g + u), x + GROUP * (g + u));
-        const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(t[0], t[1]), _mm256_hadd_epi32(t[2], t[3]));
-        const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(t[4], t[5]), _mm256_hadd_epi32(t[6], t[7]));
-        const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
-                                              _mm256_permute2x128_si256(a, b, 0x31));
-        const __m256 ds = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + g))),
-                                        _mm256_loadu_ps(s + g));
-        acc = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(sums), acc);
-        off = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + g))), _mm256_loadu_ps(X + g), off);
+        if (tile == 1) {
+            for (int u = 0; u < 8; ++u) t[u] = group_dot(p + 16 * (g + u), xq + GROUP * (g + u));
+            octet(t, d + g, m + g, s + g, X + g, &va[0], &vo[0]);
+            continue;
+        }
+        __m256i qa[8], qb[8];
+        for (int u = 0; u < 8; ++u) unpack(p + 16 * (g + u), &qa[u], &qb[u]);
+        for (int r = 0; r < tile; ++r) {
+            for (int u = 0; u < 8; ++u) t[u] = unpacked_dot(qa[u], qb[u], xq + r * K + GROUP * (g + u));
+            octet(t, d + g, m + g, s + r * G + g, X + r * G + g, &va[r], &vo[r]);
+        }
     }
-    return hsum(_mm256_add_ps(acc, off));
+    for (int r = 0; r < tile; ++r) acc[r] = hsum(_mm256_add_ps(va[r], vo[r]));
 }
 #endif
 
 /* y[t · ldy] for the rows t < tile of x̂ and one output channel (its nibbles p, scales d, offsets
- * m). `tile` is a constant in each call below, so the accumulators stay in registers. A single
- * row (a token step) takes its groups eight at a time; the groups left over, and tiles of
- * several rows, one at a time with each unpacked group shared by the rows. */
+ * m). `tile` is a constant in each call below, so the accumulators stay in registers. Every row
+ * takes its groups eight at a time, then the groups left over one at a time: the same roundings
+ * for a row whatever the tile, so the product is batch-invariant. */
 INLINE void tile_channel(int tile, int64_t K, const uint8_t *p, const uint16_t *d, const uint16_t *m,
                          const int16_t *xq, const float *s, const float *X, float *y, int64_t ldy) {
     const int64_t G = K / GROUP;
@@ -144,10 +163,8 @@ INLINE void tile_channel(int tile, int64_t K, const uint8_t *p, const uint16_t *
     float acc[TILE];
     for (int t = 0; t < tile; ++t) acc[t] = 0.f;
 #ifdef HYBRIDLM_AVX2
-    if (tile == 1) {
-        acc[0] = row_octets(G, p, d, m, xq, s, X);
-        g0 = G - G % 8;
-    }
+    tile_octets(tile, G, K, p, d, m, xq, s, X, acc);
+    g0 = G - G % 8;
     __m256 vacc[TILE];
     for (int t = 0; t < tile; ++t) vacc[t] = _mm256_setzero_ps();
     for (int64_t g = g0; g < G; ++g) {
