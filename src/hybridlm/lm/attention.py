@@ -35,7 +35,7 @@ from hybridlm.lm.direct import DirectModule
 from hybridlm.lm.hooks import HookPoint
 from hybridlm.lm.linear import Linear
 from hybridlm.lm.positions import Rotary
-from hybridlm.lm.state import KVState
+from hybridlm.lm.state import ForkedState, KVState, StateBatch
 
 
 class Attention(DirectModule):
@@ -79,17 +79,28 @@ class Attention(DirectModule):
         self,
         z: torch.Tensor,
         pos: torch.Tensor,
-        state: KVState | None = None,
+        state: KVState | StateBatch | None = None,
         rotary: Rotary | None = None,
     ) -> torch.Tensor:
         B, m, _ = z.shape
+        heads = self.W_qkv(z).view(B, m, self.n_head + 2 * self.n_kv_head, self.d_head)  # [B, pos, head, d_k]
+        if isinstance(state, StateBatch):
+            o = self._ragged(heads, pos, state, rotary)
+        elif isinstance(state, ForkedState):
+            o = self._forked(heads, pos, state, rotary)
+        else:
+            o = self._attend(heads, pos, state, rotary)
+        return self.W_O(o.reshape(B, m, self.n_head * self.d_head))
+
+    def _attend(self, heads, pos, state, rotary):
+        """O = A V of every head, [B, m, H, d_k] (after hook_z), from the fused projections."""
+        B, m = heads.shape[:2]
         H, H_kv = self.n_head, self.n_kv_head
-        heads = self.W_qkv(z).view(B, m, H + 2 * H_kv, self.d_head)  # [B, pos, head, d_k]
         if (m == 1 and state is not None and heads.dtype == torch.float32 and heads.is_cpu
                 and not (heads.requires_grad and torch.is_grad_enabled())):  # (C keeps no graph)
             o = self._decode_step(heads, state, rotary)  # O [B, 1, H, d]
             if o is not None:
-                return self.W_O(o.reshape(B, 1, H * self.d_head))
+                return o
         q, k, v = heads[:, :, :H], heads[:, :, H : H + H_kv], heads[:, :, H + H_kv :]
         q_in, k_in, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         if rotary is not None:  # q and k lie side by side in `heads`: one rotation for both
@@ -104,8 +115,64 @@ class Attention(DirectModule):
             o = self._explicit(q, k, v, pos, window)
         else:
             o = self._fused(q, k, v, pos, window)
-        o = self.hook_z(o.transpose(1, 2))
-        return self.W_O(o.reshape(B, m, H * self.d_head))
+        return self.hook_z(o.transpose(1, 2))
+
+    def _ragged(self, heads, pos, batch: StateBatch, rotary):
+        """A ragged batch (one new row per sequence, each against its own state): in one compiled
+        call when nothing watches, else row by row, each row exactly as if it were alone (its
+        hooks see that row, with `ctx.pos` its position)."""
+        if not self._watched() and heads.dtype == torch.float32 and heads.is_cpu:
+            o = self._batch_step(heads, batch, rotary)
+            if o is not None:
+                return o
+        ctx = self.hook_z.ctx
+        outer_pos, outer_rows = ctx.pos, ctx.rows
+        rows = []
+        try:
+            for b, x in enumerate(batch.states):
+                ctx.pos, ctx.rows = pos[b], None if outer_rows is None else [outer_rows[b]]
+                rows.append(self._attend(heads[b : b + 1], pos[b], x, rotary))
+        finally:
+            ctx.pos, ctx.rows = outer_pos, outer_rows
+        return torch.cat(rows)
+
+    def _forked(self, heads, pos, fork: ForkedState, rotary):
+        """k candidates' new rows against one shared state: each query reads the parent's keys
+        0..n−1 (shared, one product for all k) and its own key n; S and A are formed explicitly,
+        [k, H, 1, n + 1], so every hook point sees them as in any decode step."""
+        k_rows, H, H_kv, d = heads.shape[0], self.n_head, self.n_kv_head, self.d_head
+        q, k, v = heads[:, :, :H], heads[:, :, H : H + H_kv], heads[:, :, H + H_kv :]
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
+        if rotary is not None:
+            qk = rotary(torch.cat([q, k], dim=2), pos)
+            q, k = qk[:, :, :H], qk[:, :, H:]
+        n = fork.n
+        first = n + 1 - self.window if self.window is not None and n + 1 > self.window else 0
+        K = fork.parent.keys(self.layer)[0, :, first:]  # [H_kv, n − first, d]
+        V = fork.parent.values(self.layer)[0, :, first:]
+        g = H // H_kv
+        q = q[:, 0].reshape(k_rows, H_kv, g, d)  # [k, H_kv, g, d]
+        shared = torch.einsum("bjgd,jtd->bjgt", q, K)  # [k, H_kv, g, n − first]
+        own = (q * k[:, 0, :, None, :]).sum(-1, keepdim=True)  # [k, H_kv, g, 1]
+        scores = torch.cat([shared, own], dim=-1).reshape(k_rows, H, 1, -1) * self.scale
+        if first:
+            scores = torch.cat([scores.new_full((k_rows, H, 1, first), float("-inf")), scores], dim=-1)
+        S = self.hook_attn_scores(scores)
+        A = self.hook_pattern(torch.softmax(S, dim=-1))
+        a = A[..., first:].reshape(k_rows, H_kv, g, -1)
+        o = torch.einsum("bjgt,jtd->bjgd", a[..., :-1], V) + a[..., -1:] * v[:, 0, :, None, :]
+        return self.hook_z(o.reshape(k_rows, 1, H, d))
+
+    def _batch_step(self, heads, batch: StateBatch, rotary):
+        step, meta = kernels.decode_attention(), batch.meta()
+        if step is None or meta is None:
+            return None
+        cos = sin = None
+        if rotary is not None:
+            cos, sin = rotary.cos, rotary.sin
+            if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
+                return None
+        return step.batch(heads.contiguous(), meta, self.layer, self.window, cos, sin, self.scale, self.n_kv_head)
 
     def _watched(self) -> bool:
         """Whether a hook watches or replaces q, k, v, S, A or z (then every state is formed)."""

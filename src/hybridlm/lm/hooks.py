@@ -9,7 +9,8 @@ replaces the state, which is how inputs are injected into the residual stream.
 
 `hook.ctx` is shared by all hook points of a model and says where the current call sits
 in the trajectory: `ctx.pos` holds the positions (in the context) of the rows being
-computed, so a hook can tell prefill (many rows) from a decode step (one row).
+computed, so a hook can tell prefill (many rows) from a decode step (one row), and
+`ctx.rows` which sequence each row of an engine step belongs to.
 """
 
 from __future__ import annotations
@@ -27,9 +28,16 @@ HookFn = Callable[[torch.Tensor, "HookPoint"], Optional[torch.Tensor]]
 
 @dataclass
 class HookContext:
-    """Where the current forward call sits: positions of the rows being computed."""
+    """Where the current forward call sits.
+
+    `pos`: the positions of the rows being computed, [m] when every sequence of the batch
+    has them (a prefill, a rectangular decode step), [B, m] when each row has its own (the
+    engine's ragged batch: row b at position n_b). `rows`: while the engine steps a batch,
+    the sequence (its `ArcState`) of each batch row, else None.
+    """
 
     pos: torch.Tensor | None = None
+    rows: list | None = None
     extra: dict = field(default_factory=dict)
 
 

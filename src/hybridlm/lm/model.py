@@ -27,11 +27,11 @@ from hybridlm.lm.config import ModelConfig
 from hybridlm.errors import InputError
 from hybridlm.lm.direct import DirectModule
 from hybridlm.lm.hooks import HookedModule, HookPoint
-from hybridlm.lm.linear import affine, column_major_zeros, step_products
+from hybridlm.lm.linear import affine, column_major_zeros
 from hybridlm.lm.mlp import make_mlp
 from hybridlm.lm.norm import make_norm
 from hybridlm.lm.positions import LearnedPositions, Rotary
-from hybridlm.lm.state import KVState
+from hybridlm.lm.state import KVState, StateBatch
 
 
 class Block(DirectModule):
@@ -83,8 +83,7 @@ class StateSpaceForm:
         The step runs in inference mode (no autograd bookkeeping on the new tensors, which
         makes a decode step's many small kernels cheaper); the state's buffers and the
         readout it keeps are ordinary tensors, free to be read, changed or differentiated
-        afterwards. A step of few rows runs its products through the step BLAS
-        (`hybridlm.lm.linear.step_products`).
+        afterwards.
         """
         w = torch.as_tensor(w, dtype=torch.long, device=x.device)
         if w.dim() == 1:
@@ -98,11 +97,18 @@ class StateSpaceForm:
             x.reset()
             x.rebuilds += 1
             w = s
-        with step_products(self, w.numel()):
-            with torch.inference_mode():
-                z = self(w, x, last_only=True)[:, -1]
-            x.logits = z.clone()
+        with torch.inference_mode():
+            z = self(w, x, last_only=True)[:, -1]
+        x.logits = z.clone()
         return x
+
+    def step(self, states: list, w) -> list:
+        """x^b ← F(x^b, w_b) for B independent states (each one sequence), one token each: the
+        engine's flow step. This form steps them one by one; a family whose parts take a ragged
+        batch (`DecoderLM`) overrides it with one pass for all."""
+        for x, token in zip(states, w):
+            self.F(x, [int(token)])
+        return states
 
     @staticmethod
     def G(x) -> torch.Tensor:
@@ -198,12 +204,14 @@ class DecoderLM(StateSpaceForm, HookedModule):
         last_only: bool = False,
         layers: int | None = None,
         prefix: torch.Tensor | None = None,
+        logits: bool = True,
     ) -> torch.Tensor:
         """Logits [B, n, V] for token ids [B, n] (or [n]).
 
         With `state`, the ids are the next rows after the n positions already held, and
-        the state is updated in place. `last_only` reads out only the last row;
-        `layers` stops after that many blocks (default: all L).
+        the state is updated in place (a `ForkedState` is read, not changed). `last_only`
+        reads out only the last row; `layers` stops after that many blocks (default: all L);
+        `logits=False` returns the residual state H⁽ℓ⁾ there instead of the readout.
 
         `prefix` ([p, d] or [B, p, d]) prepends p soft-prefix rows to H⁽⁰⁾ (see `embed`);
         the output then has p + n rows. A state records them under the token id −1
@@ -229,9 +237,44 @@ class DecoderLM(StateSpaceForm, HookedModule):
             h = block(h, pos, state, rotary)
         if state is not None:
             state.commit(ids if prefix is None else torch.cat([ids.new_full((ids.shape[0], p), -1), ids], dim=1))
-        return self.readout(h[:, -1:] if last_only else h)
+        h = h[:, -1:] if last_only else h
+        return self.readout(h) if logits else h
 
     # ------------------------------------------------------------------ state-space form
+    @torch.no_grad()
+    def step(self, states: list, w) -> list:
+        """x^b ← F(x^b, w_b) for B independent states at once, one token each (the engine's flow
+        step). Each state keeps its own rows and length; the products read every weight once for
+        all rows and are batch-invariant, and attention runs row by row against each state, so
+        state b ends with the bits F(x^b, w_b) alone gives it. A state whose next token would
+        pass the horizon T takes F alone (its rebuild from Π_T(s ∘ w)).
+        """
+        w = [int(token) for token in w]
+        check_tokens(w, self.config.vocab_size)
+        T = self.config.n_ctx
+        rows = [b for b, x in enumerate(states) if isinstance(x, KVState) and x.batch == 1 and x.n < T]
+        for b in sorted(set(range(len(states))) - set(rows)):
+            self.F(states[b], [w[b]])
+        if rows:
+            batch = StateBatch([states[b] for b in rows])
+            ids = torch.tensor([[w[b]] for b in rows], dtype=torch.long, device=self.W_e.device)
+            with torch.inference_mode():
+                z = self._forward_rows(ids, batch)
+            for i, b in enumerate(rows):
+                states[b].logits = z[i : i + 1].clone()
+        return states
+
+    def _forward_rows(self, ids: torch.Tensor, batch: StateBatch) -> torch.Tensor:
+        """The logits [B, V] of one new token per state of a ragged batch (row b at position n_b)."""
+        pos = batch.n.to(ids.device)[:, None]  # [B, 1]: each row its own position
+        self.hook_ctx.pos = pos
+        h = self.embed(ids, pos)
+        rotary = self.rotary
+        for block in self.blocks:
+            h = block(h, pos, batch, rotary)
+        batch.commit(ids)
+        return self.readout(h)[:, -1]
+
     def empty_state(self, batch: int = 1, *, capacity: int = 64) -> KVState:
         p = self.W_e
         return KVState(self.config, batch, capacity=capacity, dtype=p.dtype, device=p.device)

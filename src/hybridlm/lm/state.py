@@ -148,3 +148,59 @@ class KVState:
             f"KVState(batch={self.batch}, n={self.n}, T={self.cfg.n_ctx}, layers={self.cfg.n_layer}, "
             f"kv_heads={self.cfg.n_kv_head}, d_k={self.cfg.d_head}, bytes={self.nbytes()})"
         )
+
+
+class StateBatch:
+    """B independent states stepped together by one token each: a ragged batch, in which every
+    sequence keeps its own buffer, capacity and length n_b (sequences join and leave the
+    engine's batch between any two steps, so their lengths differ).
+
+    The blocks pass it to attention in place of one state; the new row of sequence b sits at
+    position n_b. Room for that row is made here, before any layer writes.
+    """
+
+    def __init__(self, states: list[KVState]) -> None:
+        self.states = list(states)
+        for x in self.states:
+            x.reserve(1)
+        self.batch = len(self.states)
+        self.n = torch.tensor([x.n for x in self.states], dtype=torch.long)
+        self._meta: torch.Tensor | None = None
+
+    def meta(self) -> torch.Tensor | None:
+        """[3, B] int64: the address of each state's buffer, its capacity and its n (for the
+        compiled step); None when some buffer is not contiguous float32 on the CPU."""
+        if self._meta is None:
+            if any(x.kv.dtype != torch.float32 or not x.kv.is_cpu or not x.kv.is_contiguous() for x in self.states):
+                return None
+            self._meta = torch.tensor([[x.kv.data_ptr() for x in self.states], [x.capacity for x in self.states],
+                                       self.n.tolist()], dtype=torch.int64)
+        return self._meta
+
+    def commit(self, w: torch.Tensor) -> None:
+        """Record that the tokens w ([B, 1]) entered the states, row b into state b."""
+        for b, x in enumerate(self.states):
+            x.commit(w[b : b + 1])
+
+
+class ForkedState:
+    """k one-token continuations of one state, s ∘ w_1, …, s ∘ w_k, read-only: the parent's rows
+    are shared by all k (not copied), each candidate's own new row is held apart and dropped
+    afterwards. What a hidden-state barrier needs: the successor states of k candidate tokens
+    from one state, at the cost of one decode step of k rows."""
+
+    def __init__(self, parent: KVState, k: int) -> None:
+        if parent.batch != 1:
+            raise ValueError(f"a fork starts from one sequence, the state holds {parent.batch}")
+        if parent.n >= parent.cfg.n_ctx:
+            raise ValueError(f"the state holds T={parent.cfg.n_ctx} positions: no room for a successor")
+        self.parent, self.batch, self.n = parent, k, parent.n
+        self.cfg = parent.cfg
+
+    def reserve(self, m: int) -> None:
+        if m != 1:
+            raise ValueError(f"a fork continues by one token, not {m}")
+
+    def commit(self, w: torch.Tensor) -> None:
+        pass  # read-only: the parent is left as it was
+
