@@ -57,3 +57,30 @@ class ScriptedModel:
         nxt = self.script.popleft() if self.script else self.tokenizer.end_of_turn_id
         z[0, nxt] = 100.0
         return z
+
+
+class ScriptsState(ScriptState):
+    def __init__(self, tokens: list[int], script: deque) -> None:
+        super().__init__(tokens)
+        self.script = script
+
+
+class ScriptsModel(ScriptedModel):
+    """Like ScriptedModel, but every sequence (every state it prefills, in order) follows its own
+    script, so several sequences can share one engine."""
+
+    def __init__(self, tokenizer, scripts: list[list[str]], *, n_ctx: int = 4096, delay_s: float = 0.0) -> None:
+        super().__init__(tokenizer, [], n_ctx=n_ctx, delay_s=delay_s)
+        self.scripts = deque(deque(i for piece in script for i in tokenizer.encode(piece)) for script in scripts)
+
+    def init_state(self, ids) -> ScriptsState:
+        return ScriptsState(truncate(list(ids), self.config.n_ctx), self.scripts.popleft() if self.scripts else deque())
+
+    def G(self, x: ScriptsState) -> torch.Tensor:
+        if self.delay_s:
+            import time
+
+            time.sleep(self.delay_s)
+        z = torch.zeros(1, self.config.vocab_size)
+        z[0, x.script.popleft() if x.script else self.tokenizer.end_of_turn_id] = 100.0
+        return z

@@ -32,7 +32,7 @@ def test_call_jump_and_answer(tok):
     model = ScriptedModel(tok, script)
     agent = HybridAgent(model, registry(["calculator"]), tool_choice="auto")
     arc = agent.run("What is 123456 * 789?")
-    assert arc.stop_reason == "answer" and arc.answer == "The answer is 97406784."
+    assert arc.stop_reason == "stop_token" and arc.answer == "The answer is 97406784."
     (jump,) = arc.jumps
     assert (jump.k, jump.tool, jump.arguments, jump.observation, jump.error) == (
         1, "calculator", {"expression": "123456 * 789"}, "97406784", None)
@@ -74,7 +74,7 @@ def test_jump_horizon_bans_further_calls(tok):
     arc = HybridAgent(model, registry(["calculator"]), tool_choice="auto", limits=Limits(max_jumps=2)).run("go")
     assert [j.arguments["expression"] for j in arc.jumps] == ["0 + 1", "1 + 1"]
     assert OPEN not in arc.answer  # the third opening was removed from the kernel
-    assert arc.stop_reason == "answer"
+    assert arc.stop_reason == "stop_token"
 
 
 def test_no_zeno_jumps_at_distinct_token_steps(tok):
@@ -143,7 +143,7 @@ def test_tool_failures_become_observations(tok, script_call, error, fragment):
     (jump,) = arc.jumps
     assert jump.error == error and fragment in jump.observation
     assert len(jump.observation) < 2200
-    assert arc.stop_reason == "answer" and arc.answer == "ok"
+    assert arc.stop_reason == "stop_token" and arc.answer == "ok"
 
 
 def test_trace_records_the_arc(tok, tmp_path):

@@ -1,22 +1,25 @@
 """hybridlm: decoder-only language models as explicit hybrid dynamical systems."""
 
 from hybridlm.alphabet import concat, selection_P, selection_U, truncate
-from hybridlm.lm.config import PRESETS, ModelConfig
 from hybridlm.control import (
     Controller, MultiObjective, SafetyFilter, Steering, ban_words, contrast_vector, optimise_prefix,
 )
+from hybridlm.engine import (
+    ArcState, ContextPolicy, Engine, Generation, HybridArc, Kernel, Limits, PrefixCache, Termination, TokenStep,
+    generate, generate_batch, token_clock,
+)
 from hybridlm.errors import ConfigError, HybridLMError, InputError, ModelNotFoundError, WeightsError
-from hybridlm.engine.sampling import Kernel
-from hybridlm.weights.loading import load_model
+from hybridlm.lm.config import PRESETS, ModelConfig
 from hybridlm.lm.model import DecoderLM
-from hybridlm.engine.clock import Generation, TokenStep, generate, token_clock
 from hybridlm.lm.state import KVState
+from hybridlm.weights.loading import load_model
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "PRESETS", "ConfigError", "Controller", "DecoderLM", "Generation", "HybridLMError", "InputError", "KVState",
-    "Kernel", "ModelConfig", "ModelNotFoundError", "TokenStep", "WeightsError", "concat",
-    "generate", "load_model", "selection_P", "selection_U", "token_clock", "truncate",
-    "MultiObjective", "SafetyFilter", "Steering", "ban_words", "contrast_vector", "optimise_prefix",
+    "PRESETS", "ArcState", "ConfigError", "ContextPolicy", "Controller", "DecoderLM", "Engine", "Generation",
+    "HybridArc", "HybridLMError", "InputError", "KVState", "Kernel", "Limits", "ModelConfig", "ModelNotFoundError",
+    "MultiObjective", "PrefixCache", "SafetyFilter", "Steering", "Termination", "TokenStep", "WeightsError",
+    "ban_words", "concat", "contrast_vector", "generate", "generate_batch", "load_model", "optimise_prefix",
+    "selection_P", "selection_U", "token_clock", "truncate",
 ]

@@ -145,7 +145,7 @@ def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top
             "generated_ids": generated,
             "text": text,
             "token_steps": len(steps),
-            "stop_reason": "stop_token" if steps and steps[-1].stop else "budget",
+            "stop_reason": "stop_token" if steps and steps[-1].stop else "token_budget",
             "kernel": kernel.describe(),
             "seed": seed,
             "rebuilds": sum(s.rebuilt for s in steps),

@@ -1,27 +1,28 @@
-"""The agentic hybrid automaton (SPEC.md §4, seed 000).
+"""The agentic hybrid automaton (SPEC.md §4, seed 000), as a hybrid system of the engine.
 
     modes      q_G (generate: prefill, decode, constrained phases) and q_E (external: a tool runs)
-    flow set   C = {q_G, the generated turn has not completed a tool call}
-    flow map   f: one token step, w_{t+1} ~ p_θ(· | s_t) (masked by the call grammar when a
-               call is open), x_{t+1} = F(x_t, w_{t+1})
+    flow set   C = {q_G, the answer not finished}
+    flow map   f: one token step, w_{t+1} ~ p_θ(· | s_t) (masked by the call's constraint when a
+               call is open), x_{t+1} = F(x_t, w_{t+1})  (the engine's, shared by every system)
     jump set   D = {q_G, the turn has just completed <tool_call>{json}</tool_call>}
     jump map   g: run the tool for wall time (q_E), then s⁺ = Π_T(Φ(s, enc(y))), the
                observation entering the state through a prefill phase; k ← k + 1
 
-The solution is a hybrid arc over the hybrid time domain {(t, k)}, with wall time
-attached to every event and written to the trace as it happens. Controllers
-(hybridlm.control) may act in the flow map: their residual inputs for the whole arc, their
-kernel inputs on free text only (inside a tool call the grammar mask is the input); each
-action is a `control` event of the trace. Limits bound the arc:
-a token budget (flow horizon), a jump horizon, and at most `max_jumps_per_step` jumps
-at one token step, so no Zeno loop of tool calls can occur; when jumps are no longer
-allowed the tokens that would open a call are removed from the kernel.
+C and D meet where a call has just completed; the engine's priority rule (jumps first, by
+default) takes the jump there. The solution is a hybrid arc over {(t, k)} with wall time
+attached to every event (`hybridlm.engine.arc`), written to the trace as it happens.
+Controllers (hybridlm.control) may act in the flow map: their residual inputs for the whole
+arc, their kernel inputs on free text only (inside a tool call the constraint is the input);
+each action is a `control` event. The engine's horizons bound the arc: a token budget, a jump
+horizon, and at most `max_jumps_per_step` jumps at one token step (no Zeno loop of calls);
+when no jump is allowed the tokens that would open a call are removed from the kernel.
+
+While a tool runs the sequence is out of the engine's batch: `HybridAgent.run_many` runs
+several tasks on one engine, and the others keep generating meanwhile.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,23 +31,19 @@ import torch
 from hybridlm.agent.grammar import OPEN, CallGrammar, FreeCall
 from hybridlm.agent.protocol import Protocol
 from hybridlm.agent.tools import Observation, Tool, ToolRegistry
-from hybridlm.agent.trace import NullTrace, TraceWriter
-from hybridlm.errors import InputError
+from hybridlm.engine.arc import HybridArc, Termination
+from hybridlm.engine.engine import Engine
+from hybridlm.engine.inputs import ControlLoop
+from hybridlm.engine.prefill import ContextPolicy, PrefixCache
 from hybridlm.engine.sampling import Kernel
+from hybridlm.engine.sequence import ArcState, Limits
+from hybridlm.engine.system import HybridSystem
+from hybridlm.engine.trace import StateRecorder, TraceWriter
+from hybridlm.errors import InputError
 
 TOOL_CHOICES = ("auto", "required", "none")
 
-
-@dataclass(frozen=True)
-class Limits:
-    max_token_steps: int = 160  # flow horizon: token steps over the whole arc
-    max_jumps: int = 3  # jump horizon
-    max_jumps_per_step: int = 1  # jumps allowed at one token step (no Zeno behaviour)
-
-    def __post_init__(self) -> None:
-        for name in ("max_token_steps", "max_jumps", "max_jumps_per_step"):
-            if getattr(self, name) < 0:
-                raise InputError(f"{name}={getattr(self, name)}: expected ≥ 0")
+__all__ = ["Arc", "HybridAgent", "Jump", "Limits", "replay"]
 
 
 @dataclass
@@ -62,11 +59,11 @@ class Jump:
 
 @dataclass
 class Arc:
-    """The outcome of a run: the answer and a summary of the hybrid arc."""
+    """The outcome of a run: the answer and a summary of its hybrid arc (`hybrid`: every event)."""
 
     task: str
     answer: str
-    stop_reason: str  # answer | token_budget
+    stop_reason: str  # a hybridlm.engine.Termination value: stop_token | token_budget | ...
     token_steps: int
     jumps: list[Jump] = field(default_factory=list)
     wall_generate_s: float = 0.0
@@ -74,9 +71,12 @@ class Arc:
     generated_ids: list[int] = field(default_factory=list)
     trace: str | None = None
     control: list[dict] = field(default_factory=list)  # what the controllers did, per token step
+    hybrid: HybridArc | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out.pop("hybrid")
+        return out
 
     def summary(self) -> str:
         return (
@@ -85,8 +85,146 @@ class Arc:
         )
 
 
+class CallConstraint:
+    """A tool call's grammar as the engine's constraint: its mask M_t, fed the text of each token."""
+
+    def __init__(self, grammar, tokenizer) -> None:
+        self.grammar = grammar
+        self.table = tokenizer.table
+        self.stop_ids = tokenizer.stop_ids()
+
+    def mask(self) -> torch.Tensor | None:
+        return self.grammar.allowed()
+
+    def advance(self, token: int) -> None:
+        if token in self.stop_ids:  # only an unconstrained call can be cut short so
+            self.grammar.ended = True
+        else:
+            texts = self.table.texts
+            self.grammar.feed(texts[token] if token < len(texts) else "")
+
+    @property
+    def finished(self) -> bool:
+        return self.grammar.done
+
+    def describe(self) -> dict:
+        return {"constraint": "tool_call", "grammar": type(self.grammar).__name__}
+
+
+class AgentSystem(HybridSystem):
+    """H = (C, f, D, g) of the agent for one model, tool registry and tool choice."""
+
+    def __init__(self, agent: "HybridAgent") -> None:
+        self.agent = agent
+        self.tokenizer = agent.tokenizer
+
+    # ------------------------------------------------------------------ C and f
+    def flow_set(self, s) -> bool:
+        return s.finished is False
+
+    def controlled(self, s) -> bool:
+        return s.constraint is None  # free text: the controllers act; inside a call the grammar does
+
+    def phase_of(self, s) -> str:
+        return "constrained" if s.constraint is not None and self.agent.constrain else "decode"
+
+    def flow_mask(self, s) -> torch.Tensor | None:
+        """When no jump is allowed, remove the tokens that would complete an opening <tool_call>."""
+        if s.constraint is not None or self._may_jump(s):
+            return None
+        table = self.tokenizer.table
+        turn_text = self.tokenizer.decode(s.turn)
+        banned = table.containing(OPEN)
+        for n in range(1, len(OPEN)):
+            if turn_text.endswith(OPEN[:n]):
+                banned = banned + table.starting_with(OPEN[n:])
+        if not banned:
+            return None
+        allowed = torch.ones(table.size, dtype=torch.bool)
+        allowed[torch.tensor(banned)] = False
+        return allowed
+
+    def flowed(self, s, token: int) -> None:
+        """A stop token outside a call finishes the answer; an opened call gets its constraint."""
+        if s.constraint is not None:
+            return
+        if token in s.stop_ids:
+            s.finished = Termination.STOP_TOKEN
+            return
+        if self._may_jump(s):
+            turn_text = self.tokenizer.decode(s.turn)
+            if OPEN in turn_text:  # the model opened a call by itself: constrain what follows
+                agent = self.agent
+                grammar = CallGrammar(agent.tools, self.tokenizer.table, opened=True) if agent.constrain else FreeCall()
+                grammar.text = OPEN
+                try:
+                    grammar.feed(turn_text[turn_text.index(OPEN) + len(OPEN):])
+                except ValueError:
+                    grammar.segments.clear()  # malformed: D is reached, g reports the error
+                s.constraint = CallConstraint(grammar, self.tokenizer)
+
+    def _may_jump(self, s) -> bool:
+        return self.agent.tool_choice != "none" and s.jumps_allowed
+
+    # ------------------------------------------------------------------ D and g
+    def jump_set(self, s) -> bool:
+        return s.constraint is not None and s.constraint.finished
+
+    def jump(self, s):
+        grammar = s.constraint.grammar
+        s.constraint = None
+        s.call = grammar
+        try:
+            name, arguments = grammar.parsed()
+        except (ValueError, KeyError, TypeError) as exc:
+            obs = Observation(f"error: malformed tool call ({exc})", "malformed_call")
+            return lambda: (grammar.name or "?", grammar.call_json, obs)
+        replayed = self.agent._replayed(s)
+        if replayed is not None:
+            return lambda: (name, arguments, replayed)
+        tools = self.agent.tools
+        return lambda: (name, arguments, tools.call(name, arguments))
+
+    def landed(self, s, result) -> list[int]:
+        name, arguments, obs = result
+        s.count_jump()
+        s.emit("jump", tool=name, arguments=arguments, observation=obs.text, error=obs.error,
+               duration_s=obs.duration_s, server=self._server(name))
+        grammar = s.call
+        s.messages.append({"role": "assistant", "content": grammar.text})
+        enc = self.agent.protocol.observation_ids(s.messages, obs.text, turn_closed=getattr(grammar, "ended", False))
+        s.messages.append({"role": "tool", "content": obs.text})
+        return enc
+
+    def _server(self, name: str) -> str | None:
+        tool = self.agent.tools.tools.get(name)
+        return None if tool is None else tool.server
+
+    # ------------------------------------------------------------------ the end
+    def summary(self, s) -> dict:
+        return {"answer": self._answer(s)}
+
+    def _answer(self, s) -> str:
+        return self.tokenizer.decode([i for i in s.turn if i not in s.stop_ids]).strip()
+
+    def ended(self, s) -> None:
+        arc = s.arc
+        jumps = [Jump(e.k, e.t, e["tool"], e["arguments"], e["observation"], e["error"], e["duration_s"])
+                 for e in arc.of("jump")]
+        s.result = Arc(
+            task=s.task, answer=self._answer(s),
+            stop_reason=arc.termination.value, token_steps=s.t, jumps=jumps,
+            wall_generate_s=arc.wall_in("q_G"), wall_external_s=arc.wall_in("q_E"), generated_ids=list(s.generated),
+            trace=s.trace_path, control=[{"t": e.t, "k": e.k, **e.data} for e in arc.of("control")], hybrid=arc)
+
+    def describe(self, s) -> dict:
+        agent = self.agent
+        return {"system": "agent", "task": s.task, "tool_choice": agent.tool_choice, "constrain": agent.constrain,
+                "tools": [t.schema() for t in agent.tools]}
+
+
 class HybridAgent:
-    """H = (C, f, D, g) around a model and a tool registry."""
+    """H = (C, f, D, g) around a model and a tool registry; runs tasks on the engine."""
 
     def __init__(
         self,
@@ -101,10 +239,12 @@ class HybridAgent:
         record_states: bool = False,
         constrain: bool = True,
         controllers=None,
+        context: ContextPolicy | str = ContextPolicy(),
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if tool_choice not in TOOL_CHOICES:
             raise InputError(f"tool choice {tool_choice!r}: expected one of {TOOL_CHOICES}")
-        if model.tokenizer is None:
+        if getattr(model, "tokenizer", None) is None:
             raise InputError("the agent needs a model with a tokenizer and a chat template")
         self.model, self.tools, self.kernel, self.limits = model, tools, kernel, limits
         self.tool_choice = tool_choice if tools.tools else "none"
@@ -113,249 +253,83 @@ class HybridAgent:
         self.record_states = record_states and hasattr(model, "hooks")
         self.tokenizer = model.tokenizer
         self.protocol = Protocol(self.tokenizer, tools, example=example)
-        self.table = self.tokenizer.table
-        self.stop_ids = self.tokenizer.stop_ids()
-        self.replay: list[dict] | None = None  # recorded observations, for replay
-        self._prefix: tuple[list[int], object] | None = None  # (ids, state) of the fixed prompt prefix
-        self._control = self._control_loop(controllers)
-
-    # ------------------------------------------------------------------ the arc
-    def run(self, task: str, *, trace: str | Path | None = None) -> Arc:
-        if not isinstance(task, str) or not task.strip():
-            raise InputError("empty task: give the agent something to do")
-        self._trace = TraceWriter(trace) if trace else NullTrace()
-        try:
-            with self._control.attached() if self._control else contextlib.nullcontext():
-                return self._run(task)
-        finally:
-            self._trace.close()
-
-    def _control_loop(self, controllers):
-        if not controllers:
-            return None
-        from hybridlm.control.loop import ControlLoop
-
-        loop = ControlLoop(self.model, controllers, kernel=self.kernel, stop_ids=self.stop_ids)
-        if loop.prefix is not None:
+        self.stop_ids = frozenset(self.tokenizer.stop_ids())
+        self.controllers = list(controllers or [])
+        if self.controllers and ControlLoop(model, self.controllers, kernel=kernel).prefix is not None:
             raise InputError("the agent takes no soft prefix (its prompt state is shared across tasks)")
-        return loop
+        self.context = ContextPolicy.parse(context) if isinstance(context, str) else context
+        # the fixed part of every prompt (system prompt, tools, example) is prefilled once
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(128 * 2**20)
+        self.system = AgentSystem(self)
+        self.replay: list[dict] | None = None  # recorded observations, for replay
 
-    def _run(self, task: str) -> Arc:
-        self.t, self.k, self.q = 0, 0, "q_G"
-        self._start = time.perf_counter()
-        self._jumps_at: dict[int, int] = {}
-        self._states: list[torch.Tensor] = []
-        self.arc = Arc(task=task, answer="", stop_reason="token_budget", token_steps=0,
-                       trace=str(self._trace.path) if self._trace.path else None)
-        self._trace.write("start", t=0, k=0, wall_s=0.0, task=task, model=getattr(self.model, "source", "?"),
-                          kernel=asdict(self.kernel), limits=asdict(self.limits), tool_choice=self.tool_choice,
-                          constrain=self.constrain,
-                          tools=[t.schema() for t in self.tools], seed=self.seed,
-                          control=[c.describe() for c in self._control.controllers] if self._control else [])
-        self.messages = self.protocol.messages(task)
-        prompt = self.protocol.prompt_ids(self.messages)
-        self._phase("prefill", tokens=len(prompt))
-        self.x = self._prefill(prompt)
-        self.generator = torch.Generator(device=self._device()).manual_seed(self.seed)
-        self.grammar = self._open_call() if self.tool_choice == "required" else None
-        self.turn: list[int] = []
-        self._phase("constrained" if self.grammar else "decode")
-        self.answered = False
-        g_start = time.perf_counter()
-        with self._state_recorder():
-            while True:  # the arc goes on while it is in C ∪ D
-                if self.in_jump_set():
-                    self.arc.wall_generate_s += time.perf_counter() - g_start
-                    self.jump()
-                    g_start = time.perf_counter()
-                elif self.in_flow_set():
-                    self.flow()
-                else:
-                    break
-        self.arc.wall_generate_s += time.perf_counter() - g_start
-        self.arc.stop_reason = "answer" if self.answered else "token_budget"
-        self.arc.answer = self.tokenizer.decode([i for i in self.turn if i not in self.stop_ids]).strip()
-        self.arc.token_steps = self.t
-        self._trace.write("end", t=self.t, k=self.k, wall_s=self._wall(), answer=self.arc.answer,
-                          stop_reason=self.arc.stop_reason, token_steps=self.t, jumps=self.k,
-                          wall_generate_s=self.arc.wall_generate_s, wall_external_s=self.arc.wall_external_s)
-        self._save_states()
-        return self.arc
+    # ------------------------------------------------------------------ runs
+    def run(self, task: str, *, trace: str | Path | None = None) -> Arc:
+        """Run one task to the end of its arc."""
+        (arc,) = self.run_many([task], traces=[trace])
+        return arc
 
-    def _prefill(self, prompt: list[int]):
-        """x_0 from the prompt, reusing the state of the fixed prefix (system prompt, example).
-
-        The prefix is the same for every task, so its state is computed once and cloned:
-        by causal prefix invariance F(x_prefix, rest) equals a prefill of the whole prompt.
-        """
-        if self._prefix is None:
-            fixed = self.tokenizer.render_chat(self.messages[:-1], add_generation_prompt=False)
-            ids = self.tokenizer.encode(fixed)
-            self._prefix = (ids, self.model.init_state(ids).clone()) if 0 < len(ids) < len(prompt) else ([], None)
-        ids, state = self._prefix
-        if state is None or prompt[: len(ids)] != ids or len(prompt) == len(ids):
-            return self.model.init_state(prompt)
-        x = state.clone()
-        return self.model.F(x, prompt[len(ids):])
-
-    # ------------------------------------------------------------------ C and f
-    def in_flow_set(self) -> bool:
-        """C: generating, the answer not finished, token budget left, and not in D."""
-        return (self.q == "q_G" and not self.answered and self.t < self.limits.max_token_steps
-                and not self.in_jump_set())
-
-    def flow(self) -> None:
-        """f: one token step; a stop token outside a call finishes the answer."""
-        z = self.model.G(self.x)
-        allowed = self.grammar.allowed() if self.grammar else self._free_allowed()
-        if allowed is not None:
-            z = z.masked_fill(~allowed.to(z.device), float("-inf"))
-        if self._control is not None and self.grammar is None:  # free text: the controllers act
-            z = self._controlled(z)
-        w = self.kernel.sample(z, self.generator)
-        self.model.F(self.x, w)
-        self.t += 1
-        token = int(w[0])
-        text = self.table.texts[token] if token < len(self.table.texts) else ""
-        self.arc.generated_ids.append(token)
-        self._trace.write("token", t=self.t, k=self.k, wall_s=self._wall(), token=token,
-                          text=self.tokenizer.token_str(token), phase=self._current_phase)
-        if self.grammar is not None:
-            if token in self.stop_ids:  # only an unconstrained call can be cut short so
-                self.grammar.ended = True
-            else:
-                self.grammar.feed(text)
-            return
-        self.turn.append(token)
-        if token in self.stop_ids:
-            self.answered = True
-            return
-        if self._may_jump():
-            turn_text = self.tokenizer.decode(self.turn)
-            if OPEN in turn_text:  # the model opened a call by itself: constrain what follows
-                self.grammar = CallGrammar(self.tools, self.table, opened=True) if self.constrain else FreeCall()
-                self.grammar.text = OPEN
-                rest = turn_text[turn_text.index(OPEN) + len(OPEN):]
-                self._phase("constrained" if self.constrain else "decode")
-                try:
-                    self.grammar.feed(rest)
-                except ValueError:
-                    self.grammar.segments.clear()  # malformed: D is reached, g reports the error
-
-    def _controlled(self, z: torch.Tensor) -> torch.Tensor:
-        """(v_t, M_t) from the controllers, seeing the text of the current turn; each action traced."""
-        texts = self.table.texts
-        self._control.texts = ["".join(texts[i] if i < len(texts) else "" for i in self.turn)]
-        z, records = self._control.step(self.t + 1, z, self.x)
-        for rec in records:
-            row = rec.row(0)
-            self.arc.control.append({"t": self.t + 1, "k": self.k, **row})
-            self._trace.write("control", t=self.t + 1, k=self.k, wall_s=self._wall(), **row)
-        return z
-
-    def _open_call(self):
-        """A call segment forced open at the start of the turn (tool choice "required")."""
-        if self.constrain:
-            return CallGrammar(self.tools, self.table, opened=False)
-        self.model.F(self.x, self.tokenizer.encode(OPEN))  # the opening enters as a prefill
-        return FreeCall()
-
-    def _may_jump(self) -> bool:
-        return (
-            self.tool_choice != "none"
-            and self.k < self.limits.max_jumps
-            and self._jumps_at.get(self.t, 0) < self.limits.max_jumps_per_step
-        )
-
-    def _free_allowed(self) -> torch.Tensor | None:
-        """When no jump is allowed, remove the tokens that would complete an opening <tool_call>."""
-        if self._may_jump():
-            return None
-        turn_text = self.tokenizer.decode(self.turn)
-        banned = self.table.containing(OPEN)
-        for n in range(1, len(OPEN)):
-            if turn_text.endswith(OPEN[:n]):
-                banned = banned + self.table.starting_with(OPEN[n:])
-        if not banned:
-            return None
-        allowed = torch.ones(self.table.size, dtype=torch.bool)
-        allowed[torch.tensor(banned)] = False
-        return allowed
-
-    # ------------------------------------------------------------------ D and g
-    def in_jump_set(self) -> bool:
-        return self.q == "q_G" and self.grammar is not None and self.grammar.done
-
-    def jump(self) -> None:
-        """g: run the tool in q_E, then inject enc(y) through a prefill phase; k ← k + 1."""
-        grammar, self.grammar = self.grammar, None
-        self.q = "q_E"
-        self._phase("external")
+    def run_many(self, tasks: list[str], *, traces: list | None = None, max_batch: int = 64) -> list[Arc]:
+        """Run several tasks concurrently on one engine (each its own arc, seed and trace); while
+        one task's tool runs, the others keep generating."""
+        traces = list(traces) if traces is not None else [None] * len(tasks)
+        if len(traces) != len(tasks):
+            raise InputError(f"{len(traces)} traces for {len(tasks)} tasks: expected one per task (or none)")
+        seqs = [self.sequence(task, trace=trace) for task, trace in zip(tasks, traces)]
+        engine = Engine(self.model, max_batch=max_batch, context=self.context, prefix_cache=self.prefix_cache)
+        for s in seqs:
+            engine.add(s)
         try:
-            name, arguments = grammar.parsed()
-            obs = self._call(name, arguments)
-        except (ValueError, KeyError, TypeError) as exc:
-            name, arguments = grammar.name or "?", grammar.call_json
-            obs = Observation(f"error: malformed tool call ({exc})", "malformed_call")
-        self.k += 1
-        self._jumps_at[self.t] = self._jumps_at.get(self.t, 0) + 1
-        self.arc.wall_external_s += obs.duration_s
-        jump = Jump(self.k, self.t, name, arguments, obs.text, obs.error, obs.duration_s)
-        self.arc.jumps.append(jump)
-        self._trace.write("jump", t=self.t, k=self.k, wall_s=self._wall(), tool=name, arguments=arguments,
-                          observation=obs.text, error=obs.error, duration_s=obs.duration_s)
-        self.q = "q_G"
-        self.messages.append({"role": "assistant", "content": grammar.text})
-        enc = self.protocol.observation_ids(self.messages, obs.text, turn_closed=getattr(grammar, "ended", False))
-        self.messages.append({"role": "tool", "content": obs.text})
-        self._phase("prefill", tokens=len(enc))
-        self.model.F(self.x, enc)  # s⁺ = Π_T(Φ(s, enc(y)))
-        self.turn = []
-        self._phase("decode")
+            engine.run()
+        finally:
+            engine.close()
+            for s in seqs:
+                for obs in s.observers:
+                    close = getattr(obs, "close", None)
+                    if close is not None:
+                        close()
+        for s in seqs:
+            if s.error is not None:
+                raise s.error
+        return [s.result for s in seqs]
 
-    def _call(self, name: str, arguments: dict) -> Observation:
-        if self.replay is not None:
-            recorded = self.replay[self.k] if self.k < len(self.replay) else None
-            if recorded is None:
-                return Observation("error: the replayed trace has no observation for this jump", "replay")
-            return Observation(recorded["observation"], recorded.get("error"), recorded.get("duration_s", 0.0))
-        return self.tools.call(name, arguments)
+    def sequence(self, task: str, *, trace: str | Path | None = None, seed: int | None = None) -> ArcState:
+        """The ArcState of a task, ready to join an engine."""
+        if not isinstance(task, str):
+            raise InputError(f"task of type {type(task).__name__}: expected text (str)")
+        if not task.strip():
+            raise InputError("empty task: give the agent something to do")
+        messages = self.protocol.messages(task)
+        prompt, marks = self.protocol.prompt_ids_and_marks(messages)
+        constraint = None
+        if self.tool_choice == "required":  # a call segment forced open at the start of the turn
+            if self.constrain:
+                constraint = CallConstraint(CallGrammar(self.tools, self.tokenizer.table, opened=False), self.tokenizer)
+            else:
+                prompt = prompt + self.tokenizer.encode(OPEN)  # the opening enters as part of the prefill
+                constraint = CallConstraint(FreeCall(), self.tokenizer)
+        controls = None
+        if self.controllers:
+            controls = ControlLoop(self.model, self.controllers, kernel=self.kernel, stop_ids=self.stop_ids,
+                                   reads="turn")
+        observers = []
+        if trace:
+            observers.append(TraceWriter(trace))
+            if self.record_states:
+                observers.append(StateRecorder(self.model, Path(trace).with_suffix(".safetensors")))
+        return ArcState(self.system, prompt, kernel=self.kernel, seed=self.seed if seed is None else seed,
+                        limits=self.limits, constraint=constraint, controls=controls, stop_ids=self.stop_ids,
+                        observers=observers, messages=messages, marks=tuple(marks), task=task,
+                        trace_path=str(trace) if trace else None)
 
-    # ------------------------------------------------------------------ bookkeeping
-    _current_phase = "prefill"
-
-    def _phase(self, phase: str, **extra) -> None:
-        self._current_phase = phase
-        self._trace.write("phase", t=self.t, k=self.k, wall_s=self._wall(), phase=phase, mode=self.q, **extra)
-
-    def _wall(self) -> float:
-        return round(time.perf_counter() - self._start, 6)
-
-    def _device(self):
-        x = self.x
-        return x.device if hasattr(x, "device") else "cpu"
-
-    def _state_recorder(self):
-        import contextlib
-
-        if not self.record_states:
-            return contextlib.nullcontext()
-        last = f"blocks.{self.model.config.n_layer - 1}.hook_resid_post"
-
-        def keep(h, hook):
-            if h.shape[1] == 1:  # a decode step: the final-layer state of the new token
-                self._states.append(h[0, -1].detach().float().cpu())
-
-        return self.model.hooks({last: keep})
-
-    def _save_states(self) -> None:
-        if not self._states or self._trace.path is None:
-            return
-        from safetensors.torch import save_file
-
-        path = Path(self._trace.path).with_suffix(".safetensors")
-        save_file({"resid_final": torch.stack(self._states)}, str(path),
-                  metadata={"hook": f"blocks.{self.model.config.n_layer - 1}.hook_resid_post", "rows": "token_step"})
+    def _replayed(self, s) -> Observation | None:
+        """The recorded observation of this jump, when replaying a trace."""
+        if self.replay is None:
+            return None
+        recorded = self.replay[s.k] if s.k < len(self.replay) else None
+        if recorded is None:
+            return Observation("error: the replayed trace has no observation for this jump", "replay")
+        return Observation(recorded["observation"], recorded.get("error"), recorded.get("duration_s", 0.0))
 
 
 def replay(trace_path: str | Path, model) -> tuple[Arc, bool, int | None]:
@@ -380,7 +354,8 @@ def replay(trace_path: str | Path, model) -> tuple[Arc, bool, int | None]:
     for schema in start["tools"]:
         tools.register(Tool(schema["name"], schema["description"], schema["parameters"], _not_called))
     agent = HybridAgent(model, tools, kernel=Kernel(**start["kernel"]), limits=Limits(**start["limits"]),
-                        tool_choice=start["tool_choice"], seed=start["seed"], constrain=start.get("constrain", True))
+                        tool_choice=start["tool_choice"], seed=start["seed"], constrain=start.get("constrain", True),
+                        context=start.get("context") or ContextPolicy())
     agent.replay = [e for e in events if e["event"] == "jump"]
     arc = agent.run(start["task"])
     ours = arc.generated_ids

@@ -67,6 +67,19 @@ class Protocol:
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         return self.tokenizer.encode(self.tokenizer.render_chat(messages, add_generation_prompt=True))
 
+    def prompt_ids_and_marks(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        """The prompt, and where each message before the last ends in it: the boundaries of its
+        canonical prefill segments, so the shared part of every prompt (system prompt, tools,
+        example) is prefilled once and reused exactly (hybridlm.engine.prefill)."""
+        tok = self.tokenizer
+        ids = self.prompt_ids(messages)
+        marks = []
+        for i in range(1, len(messages)):
+            head = tok.encode(tok.render_chat(messages[:i], add_generation_prompt=False))
+            if len(head) < len(ids) and ids[: len(head)] == head:
+                marks.append(len(head))
+        return ids, marks
+
     def observation_ids(self, messages: list[dict], observation: str, *, turn_closed: bool = False) -> list[int]:
         """enc(y): close the assistant turn, the tool turn with y, open the next assistant turn.
 

@@ -7,11 +7,14 @@ Events (every one carries the hybrid time (t, k) and the wall time `wall_s`):
 - `control`: what a controller did before a token step (e.g. the probability mass a
   safety filter removed, or that no safe token remained and what was done then);
 - `jump`: one jump, with the tool, arguments, observation, error and duration;
+- `batch`: the sequence left or joined the engine's batch (it leaves for q_E);
+- `context`: a jump of the context horizon (the block policy cut the string);
 - `end`: the answer, the stop reason and totals.
 
-Each line is written with one `write` and flushed (and fsynced at phase changes), so a run
-killed at any moment leaves a file whose every line parses. Optional tensors (the
-final-layer state of each token) go to a safetensors file beside it.
+The engine's `TraceWriter` (hybridlm.engine.trace) writes each line as it happens, so a run
+killed at any moment leaves a file whose every line parses; optional tensors (the
+final-layer state of each token) go to a safetensors file beside it. This module reads
+traces back and prints them.
 """
 
 from __future__ import annotations
@@ -22,43 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from hybridlm.engine.trace import TraceWriter  # noqa: F401 - the writer is an observer of the engine
 from hybridlm.errors import InputError
-
-
-class TraceWriter:
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "w", encoding="utf-8")
-
-    def write(self, event: str, **fields: Any) -> None:
-        line = json.dumps({"event": event, **fields}, ensure_ascii=False, default=str)
-        self._fh.write(line + "\n")
-        self._fh.flush()
-        if event in ("start", "phase", "jump", "end"):
-            os.fsync(self._fh.fileno())
-
-    def close(self) -> None:
-        if not self._fh.closed:
-            self._fh.close()
-
-    def __enter__(self) -> "TraceWriter":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class NullTrace:
-    """Stands in for a TraceWriter when no trace is asked for."""
-
-    path = None
-
-    def write(self, event: str, **fields: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def read_trace(path: str | os.PathLike) -> list[dict]:

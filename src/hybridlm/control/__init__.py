@@ -10,8 +10,9 @@ them from the observed state each token step: a control-barrier safety filter
 from hybridlm.control.controllers import (
     REGISTRY, ControlRecord, Controller, Observation, control_step, make_controller, register,
 )
-from hybridlm.control.inputs import KernelInput, prefill, removed_mass, residual_hook, residual_point
-from hybridlm.control.loop import ControlLoop, Rollout, rollout
+from hybridlm.control.inputs import KernelInput, removed_mass, residual_hook, residual_point
+from hybridlm.control.loop import Rollout, rollout
+from hybridlm.engine.inputs import ControlLoop
 from hybridlm.control.objectives import MultiObjective, Objective, lexicon_score, model_score
 from hybridlm.control.prefix import PrefixResult, SoftPrefix, optimise_prefix, target_logprob
 from hybridlm.control.safety import (
@@ -23,6 +24,6 @@ __all__ = [
     "REGISTRY", "BannedWords", "Barrier", "ContrastVector", "ControlLoop", "ControlRecord", "Controller",
     "HiddenBarrier", "KernelInput", "MultiObjective", "NoSafeToken", "Objective", "Observation", "PrefixResult",
     "Rollout", "SafetyFilter", "SoftPrefix", "Steering", "TokenMask", "ban_words", "contrast_vector",
-    "control_step", "lexicon_score", "make_controller", "model_score", "optimise_prefix", "prefill",
+    "control_step", "lexicon_score", "make_controller", "model_score", "optimise_prefix",
     "register", "removed_mass", "residual_hook", "residual_point", "rollout", "target_logprob",
 ]

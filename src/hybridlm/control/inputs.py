@@ -13,39 +13,11 @@ uncontrolled one, bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from hybridlm.engine.inputs import KernelInput, removed_mass  # noqa: F401 - the kernel channel, defined with the engine
 from hybridlm.errors import InputError
-
-NEG_INF = float("-inf")
-
-
-@dataclass
-class KernelInput:
-    """(v_t, M_t) for one token step: additive logits v [B, V] and allowed set M [B, V] (bool)."""
-
-    v: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
-    note: dict | None = None  # what the controller wants recorded (e.g. rows with nothing safe left)
-    override: list[int] | None = None  # rows the input takes over: uniform on M there, whatever z was
-
-    def apply(self, z: torch.Tensor) -> torch.Tensor:
-        """z ↦ z + v, then −∞ outside M (rows in `override`: 0 on M, −∞ outside)."""
-        if self.v is not None:
-            z = z + self.v.to(z.dtype)
-        if self.override:
-            z = z.clone()
-            z[self.override] = 0.0
-        if self.mask is not None:
-            z = z.masked_fill(~self.mask.to(z.device), NEG_INF)
-        return z
-
-
-def removed_mass(p: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Σ_{v ∉ M} p(v) per row: the probability the mask takes away from the kernel p [B, V]."""
-    return (p * (~mask.to(p.device)).to(p.dtype)).sum(dim=-1)
 
 
 def residual_hook(u: torch.Tensor, *, from_pos: int = 0) -> Callable:
@@ -68,22 +40,3 @@ def residual_point(model, layer: int) -> str:
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= L:
         raise InputError(f"layer {layer!r}: expected an integer in 0..{L} (H⁽ℓ⁾, ℓ = 0 is the embedding)")
     return f"blocks.{layer}.hook_resid_pre" if layer < L else f"blocks.{L - 1}.hook_resid_post"
-
-
-@torch.no_grad()
-def prefill(model, ids, prefix: torch.Tensor | None = None, *, batch: int | None = None):
-    """x_0 from the string(s) ids, with the soft prefix P prepended to H⁽⁰⁾ when given.
-
-    The state then holds p + n positions; its token record marks the prefix rows with −1.
-    """
-    ids = model._check_ids(ids)
-    if batch is not None and ids.shape[0] != batch:
-        ids = ids.expand(batch, -1)
-    if prefix is None:
-        return model.init_state(ids)
-    p = prefix.shape[-2]
-    if p + ids.shape[1] > model.config.n_ctx:
-        raise InputError(f"soft prefix ({p}) and prompt ({ids.shape[1]}) exceed the horizon T={model.config.n_ctx}")
-    x = model.empty_state(ids.shape[0], capacity=p + ids.shape[1])
-    x.logits = model(ids, x, last_only=True, prefix=prefix.detach())[:, -1]
-    return x

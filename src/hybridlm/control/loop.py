@@ -1,80 +1,21 @@
-"""The controlled recursion (SPEC.md §2 with inputs; survey, "Safety and Alignment"):
+"""Sampled continuations under the controlled recursion, as a client of the engine.
 
-    y_t = (z_t, x_t, text_t, h_t⁽ᴸ⁾),   (v_t, M_t) = κ(y_t),
-    w_{t+1} ~ p_θ,u(· | s_t) ∝ M_t · exp((z_t + v_t)/τ),   x_{t+1} = F_u(x_t, w_{t+1})
-
-where F_u is F with the residual inputs u(ℓ, t) attached and x_0 holds the soft prefix.
-`ControlLoop` is the closed loop's bookkeeping, shared by `token_clock`, the agent's
-flow map and the batched `rollout`.
+`rollout` runs `batch` continuations of one prompt, row b as the sequence with seed
+`seed + b` (the meaning of a seed everywhere: row b makes the tokens `generate(...,
+seed=seed + b)` makes alone), each with its own copy of the controllers' loop, for exactly
+`max_new_tokens` steps (a stop token does not end a row; `Rollout.continuations` cuts there).
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
-from hybridlm.control.controllers import (
-    ControlRecord, Observation, all_hooks, control_step, ordered, the_prefix,
-)
-from hybridlm.control.inputs import prefill, residual_point
+from hybridlm.engine.clock import default_stops, sequence
+from hybridlm.engine.engine import Engine
+from hybridlm.engine.inputs import ControlLoop, ControlRecord
 from hybridlm.errors import InputError
-
-TEXT_TAIL = 256  # characters of the prompt kept as the text a barrier sees
-
-
-class ControlLoop:
-    def __init__(self, model, controllers, *, kernel, stop_ids=()):
-        self.model, self.kernel = model, kernel
-        self.controllers = ordered(controllers)
-        self.stop_ids = set(stop_ids)
-        self.prefix = the_prefix(self.controllers)
-        self.table = None if model.tokenizer is None else model.tokenizer.table
-        self.hidden: torch.Tensor | None = None
-        self.texts: list[str] = []
-
-    # ------------------------------------------------------------------ setup
-    def attached(self):
-        """Attach the residual inputs (and the h⁽ᴸ⁾ probe when a controller reads it) for a run."""
-        pairs = all_hooks(self.controllers, self.model)
-        if any(c.needs_hidden for c in self.controllers):
-            pairs.append((residual_point(self.model, self.model.config.n_layer), self._keep_hidden))
-        return self.model.hooks(pairs) if pairs else contextlib.nullcontext()
-
-    def _keep_hidden(self, h, hook):
-        self.hidden = h[:, -1].detach()
-
-    def start(self, prompt_rows: list[list[int]]) -> None:
-        """The text each barrier starts from: the tail of the decoded prompt."""
-        tok = self.model.tokenizer
-        self.texts = [tok.decode(r)[-TEXT_TAIL:] if tok is not None else "" for r in prompt_rows]
-
-    def prefill(self, ids, *, batch: int | None = None):
-        return prefill(self.model, ids, self.prefix, batch=batch)
-
-    def check_horizon(self, n0: int, steps: int) -> None:
-        """With a soft prefix, Π_T must not drop tokens (the prefix rows have no token to re-prefill)."""
-        T = self.model.config.n_ctx
-        if self.prefix is not None and n0 + steps > T:
-            raise InputError(f"soft prefix with {n0} positions and {steps} new tokens exceeds T={T}; "
-                             "shorten the prompt or the budget")
-
-    # ------------------------------------------------------------------ one step
-    def step(self, t: int, z: torch.Tensor, x) -> tuple[torch.Tensor, list[ControlRecord]]:
-        """(v_t, M_t) from the observation y_t, applied to z."""
-        obs = Observation(t=t, z=z, state=x, texts=self.texts, stop_ids=self.stop_ids, kernel=self.kernel,
-                          hidden=self.hidden)
-        return control_step(self.controllers, obs)
-
-    def advance(self, w: torch.Tensor) -> None:
-        """Append the text of each row's new token w_{t+1}."""
-        if self.table is None:
-            return
-        texts = self.table.texts
-        for b, token in enumerate(w.tolist()):
-            piece = texts[token] if token < len(texts) else ""
-            self.texts[b] = (self.texts[b] + piece)[-TEXT_TAIL:]
 
 
 @dataclass
@@ -83,7 +24,7 @@ class Rollout:
 
     prompt_ids: list[int]
     tokens: torch.Tensor  # [B, steps]
-    records: list[list[ControlRecord]] = field(default_factory=list)  # per token step
+    records: list[list[ControlRecord]] = field(default_factory=list)  # per token step, each over the B rows
 
     def continuations(self, stop_ids=()) -> list[list[int]]:
         """Each row's generated ids, cut before its first stop token."""
@@ -97,22 +38,47 @@ class Rollout:
 @torch.no_grad()
 def rollout(model, prompt_ids, *, batch: int, kernel, controllers=(), max_new_tokens: int = 40, seed: int = 0,
             stop_ids=None) -> Rollout:
-    """Sample `batch` continuations at once: the state carries B copies of s_0, F takes [B] tokens."""
+    """Sample `batch` continuations at once (row b: seed + b)."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise InputError(f"batch={batch!r}: expected an integer ≥ 1")
     ids = [int(i) for i in prompt_ids]
-    stops = set(model.tokenizer.stop_ids() if stop_ids is None and model.tokenizer is not None else (stop_ids or ()))
-    loop = ControlLoop(model, controllers, kernel=kernel, stop_ids=stops)
-    generator = torch.Generator(device=model.W_e.device).manual_seed(seed)
-    out, records = [], []
-    with loop.attached():
-        x = loop.prefill(torch.tensor([ids]), batch=batch)
-        loop.check_horizon(x.n, max_new_tokens)
-        loop.start([ids] * batch)
-        for t in range(1, max_new_tokens + 1):
-            z, recs = loop.step(t, model.G(x), x)
-            w = kernel.sample(z, generator)
-            model.F(x, w)
-            loop.advance(w)
-            out.append(w)
-            records.append(recs)
-    tokens = torch.stack(out, dim=1) if out else torch.zeros(batch, 0, dtype=torch.long)
-    return Rollout(ids, tokens, records)
+    stops = set(default_stops(model) if stop_ids is None else stop_ids)
+    rows = []
+    for b in range(batch):
+        s = sequence(model, ids, kernel=kernel, max_new_tokens=max_new_tokens, seed=seed + b, stop_ids=())
+        if controllers:
+            s.controls = ControlLoop(model, controllers, kernel=kernel, stop_ids=stops)
+        rows.append(s)
+    engine = Engine(model, max_batch=batch)
+    for s in rows:
+        engine.add(s)
+    try:
+        engine.run()
+    finally:
+        engine.close()
+    for s in rows:
+        if s.error is not None:
+            raise s.error
+    tokens = torch.tensor([s.arc.tokens for s in rows], dtype=torch.long).reshape(batch, -1)
+    return Rollout(ids, tokens, [_merged(rows, t) for t in range(1, tokens.shape[1] + 1)])
+
+
+def _merged(rows, t: int) -> list[ControlRecord]:
+    """The controllers' records of token step t, one ControlRecord per controller over the rows
+    (a row where that controller did not act counts as a zero input)."""
+    acted: dict[str, list[dict | None]] = {}
+    for b, s in enumerate(rows):
+        for e in s.arc.events:
+            if e.kind == "control" and e.t == t:
+                acted.setdefault(e["controller"], [None] * len(rows))[b] = e.data
+    out = []
+    for name, per_row in acted.items():
+        rec = ControlRecord(controller=name)
+        for key, zero in (("removed_mass", 0.0), ("removed_tokens", 0), ("shift", 0.0)):
+            if any(r is not None and key in r for r in per_row):
+                setattr(rec, key, [zero if r is None else r.get(key, zero) for r in per_row])
+        empty = [b for b, r in enumerate(per_row) if r is not None and r.get("no_safe_token")]
+        if empty:
+            rec.note = {"no_safe_token": empty, "action": next(r["action"] for r in per_row if r and "action" in r)}
+        out.append(rec)
+    return out

@@ -22,6 +22,7 @@ import torch
 from hybridlm.control.controllers import Controller, Observation, register
 from hybridlm.control.inputs import KernelInput, residual_point
 from hybridlm.errors import HybridLMError, InputError
+from hybridlm.lm.state import ForkedState
 
 ON_EMPTY = ("stop", "unfiltered", "raise")
 
@@ -131,8 +132,9 @@ class BannedWords(Barrier):
 class HiddenBarrier(Barrier):
     """h(s) = c(h⁽ℓ⁾_last(s)): a classifier c on the last position's residual state (ℓ = L: final).
 
-    The successor states of the `candidates` most likely tokens are computed exactly (one
-    forward of s_t ∘ w per candidate); tokens outside that set are not verified and count
+    The successor states of the `candidates` most likely tokens are computed exactly, as one
+    decode step of k rows forked from the current state (`ForkedState`: the rows of s are
+    shared, each candidate adds its own); tokens outside that set are not verified and count
     as unsafe, so the filter only ever samples verified-safe tokens.
     """
 
@@ -141,27 +143,36 @@ class HiddenBarrier(Barrier):
         if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
             raise InputError(f"candidates={candidates!r}: expected an integer ≥ 1")
         self.model, self.classifier, self.candidates = model, classifier, candidates
-        self.point = residual_point(model, model.config.n_layer if layer is None else layer)
+        L = model.config.n_layer
+        self.layer = L if layer is None else layer
+        self.point = residual_point(model, self.layer)
 
     @torch.no_grad()
     def unsafe_next(self, obs: Observation) -> torch.Tensor:
-        z = obs.z
+        z, x = obs.z, obs.state
+        if z.shape[0] != 1 or getattr(x, "batch", 1) != 1:
+            raise InputError("a hidden-state barrier acts on one sequence at a time (the engine gives it one row)")
+        if bool((x.tokens < 0).any()):
+            raise InputError("a hidden-state barrier cannot fork a context that holds a soft prefix")
         unsafe = torch.ones_like(z, dtype=torch.bool)
-        tokens = obs.state.tokens
-        if bool((tokens < 0).any()):
-            raise InputError("a hidden-state barrier cannot re-run a context that holds a soft prefix")
-        k = min(self.candidates, z.shape[-1])
-        for b in range(z.shape[0]):
-            top = torch.topk(z[b], k)
-            cand = top.indices[torch.isfinite(top.values)]
-            if cand.numel() == 0:
-                continue
-            ids = torch.cat([tokens[b].expand(cand.numel(), -1), cand[:, None]], dim=1)
-            _, cache = self.model.run_with_cache(ids, names=[self.point], last_only=True)
-            h = cache[self.point][:, -1]
-            ok = torch.as_tensor(self.classifier(h)).reshape(-1) >= 0
-            unsafe[b, cand[ok]] = False
+        top = torch.topk(z[0], min(self.candidates, z.shape[-1]))
+        cand = top.indices[torch.isfinite(top.values)]
+        if cand.numel() == 0:
+            return unsafe
+        kept = {}
+
+        def keep(h, hook):
+            kept["h"] = h[:, -1]
+
+        L = self.model.config.n_layer
+        with self.model.hooks([(self.point, keep)]):  # the blocks up to the point, nothing after
+            self.model(cand[:, None], ForkedState(x, cand.numel()), layers=min(self.layer + 1, L), logits=False)
+        ok = torch.as_tensor(self.classifier(kept["h"])).reshape(-1) >= 0
+        unsafe[0, cand[ok]] = False
         return unsafe
+
+    def describe(self) -> dict:
+        return {"barrier": "hidden_state", "layer": self.layer, "candidates": self.candidates}
 
 
 @register("safety")

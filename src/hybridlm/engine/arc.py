@@ -1,0 +1,160 @@
+"""The hybrid arc as data: what one sequence did, over the hybrid time domain {(t, k)} with wall
+time attached (SPEC.md §4, §7).
+
+In the HyEQ Toolbox's words a solution is a hybrid arc φ(t, j) on a hybrid time domain,
+together with the cause that ended it. Here the flow "time" is the token clock t (one step per
+token), the jump counter is k (one step per external event), and every event also carries the
+wall time `wall_s` since the sequence joined the engine: the two clocks are separate, and how
+many token steps a second buys depends on the batch around the sequence.
+
+An arc is a list of `Event`s in the order they happened. The kinds:
+
+- `start`: the sequence's configuration (system, kernel, limits, seed, ...);
+- `phase`: a phase change (prefill, decode, constrained, external) and the mode q_G / q_E;
+- `token`: one token step of the flow: the token, its text, log p under the shaped kernel;
+- `control`: what a controller did before a token step (removed mass, shift, ...);
+- `jump`: one jump: the tool, its arguments, the observation, error and wall duration;
+- `batch`: the sequence left or joined the engine's batch (q_E: its tool runs while the
+  others keep generating);
+- `context`: a jump of the context horizon (the block policy truncated the string);
+- `end`: the termination cause and totals.
+
+The trace file is this list written as JSONL as it happens (`hybridlm.engine.trace`);
+`HybridArc.read` reads one back.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Mode(str, enum.Enum):
+    """The discrete mode q of the automaton."""
+
+    GENERATE = "q_G"  # the token clock runs: prefill and decode phases
+    EXTERNAL = "q_E"  # a tool runs in wall time; no token step happens
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Termination(str, enum.Enum):
+    """Why an arc ended: HyEQ's termination cause, in this system's terms. One enumeration for
+    plain generation, the agent and the server."""
+
+    STOP_TOKEN = "stop_token"  # the flow emitted a stop token: the state left C ∪ D
+    TOKEN_BUDGET = "token_budget"  # t reached the flow horizon (the token budget)
+    JUMP_HORIZON = "jump_horizon"  # the state is in D but k reached the jump horizon
+    JUMP_SET = "jump_set"  # stopped in D on purpose: the jump map runs elsewhere (a client-side tool)
+    STOP_SEQUENCE = "stop_sequence"  # the text reached one of the caller's stop strings
+    CONSTRAINT = "constraint"  # the constrained text is complete (nothing more may follow)
+    CANCELLED = "cancelled"  # the caller withdrew the sequence (e.g. a client disconnected)
+    ERROR = "error"  # the sequence raised; the error is in the end event
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Event:
+    """One event of an arc at hybrid time (t, k) and wall time wall_s."""
+
+    kind: str
+    t: int
+    k: int
+    wall_s: float
+    data: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"event": self.kind, "t": self.t, "k": self.k, "wall_s": self.wall_s, **self.data}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Event":
+        data = {key: value for key, value in d.items() if key not in ("event", "t", "k", "wall_s")}
+        return cls(d["event"], int(d.get("t", 0)), int(d.get("k", 0)), float(d.get("wall_s", 0.0)), data)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.data.get(key, default)
+
+
+@dataclass
+class HybridArc:
+    """The events of one sequence, and the cause that ended it (None while it runs)."""
+
+    events: list[Event] = field(default_factory=list)
+    termination: Termination | None = None
+
+    # ------------------------------------------------------------------ views
+    def of(self, kind: str) -> list[Event]:
+        return [e for e in self.events if e.kind == kind]
+
+    @property
+    def tokens(self) -> list[int]:
+        """The emitted tokens w_1, w_2, … in order."""
+        return [e["token"] for e in self.events if e.kind == "token"]
+
+    @property
+    def t(self) -> int:
+        """Token steps so far (the flow time reached)."""
+        return max((e.t for e in self.events), default=0)
+
+    @property
+    def k(self) -> int:
+        """Jumps so far."""
+        return max((e.k for e in self.events), default=0)
+
+    def jump_times(self) -> list[tuple[int, int, float]]:
+        """(t_j, k_j, wall_s) of every jump: the token step it happened at, the jump count after it,
+        and the wall time it ended."""
+        return [(e.t, e.k, e.wall_s) for e in self.events if e.kind == "jump"]
+
+    def flow_intervals(self) -> list[tuple[int, int, int]]:
+        """The hybrid time domain as HyEQ draws it: (k, t_start, t_end) for each interval of flow
+        I^k = [t_k, t_{k+1}] between jumps (the last ends at the final t)."""
+        bounds = [0] + [t for t, _, _ in self.jump_times()] + [self.t]
+        return [(k, bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1)]
+
+    def restrict(self, *, t: tuple[int, int] | None = None, k: tuple[int, int] | None = None) -> "HybridArc":
+        """The arc restricted to t ∈ [t0, t1] and/or k ∈ [k0, k1] (inclusive)."""
+        def inside(e: Event) -> bool:
+            return ((t is None or t[0] <= e.t <= t[1]) and (k is None or k[0] <= e.k <= k[1]))
+
+        return HybridArc([e for e in self.events if inside(e)],
+                         self.termination if (t is None or t[1] >= self.t) and (k is None or k[1] >= self.k) else None)
+
+    def wall_in(self, mode: Mode | str) -> float:
+        """Wall seconds spent in a mode: q_E as the sum of the jumps' durations, q_G as the rest."""
+        external = sum(float(e.get("duration_s", 0.0)) for e in self.events if e.kind == "jump")
+        if str(mode) == Mode.EXTERNAL.value:
+            return external
+        end = self.events[-1].wall_s if self.events else 0.0
+        return max(0.0, end - external)
+
+    # ------------------------------------------------------------------ files
+    def lines(self) -> Iterator[str]:
+        for e in self.events:
+            yield json.dumps(e.to_dict(), ensure_ascii=False, default=str)
+
+    def write(self, path: str | os.PathLike) -> None:
+        with open(path, "w", encoding="utf-8") as fh:
+            for line in self.lines():
+                fh.write(line + "\n")
+
+    @classmethod
+    def from_events(cls, events: Iterable[dict]) -> "HybridArc":
+        arc = cls([Event.from_dict(e) for e in events])
+        end = next((e for e in reversed(arc.events) if e.kind == "end"), None)
+        cause = end.get("stop_reason") if end is not None else None
+        arc.termination = Termination(cause) if cause in Termination._value2member_map_ else None
+        return arc
+
+    def __len__(self) -> int:
+        return len(self.events)

@@ -1,0 +1,247 @@
+"""How tokens enter a sequence's state: the prefill phase, prefix reuse, and the context horizon.
+
+Prefill in canonical segments. A prompt is prefilled segment by segment, with boundaries at
+every multiple of `SEGMENT` positions and at the marks the caller gives (the ends of chat
+messages). So the state after a prefix is always computed the same way, whatever follows it,
+and a cache of states keyed by their segments is exact to the last bit: by causal prefix
+invariance (SPEC.md §3) the state of s is the state of its prefix p continued with the rest,
+and with the same segments it is the same arithmetic.
+
+`PrefixCache` holds such states in a trie of segments, bounded in bytes, the least recently
+used dropped first: a shared system prompt, a tool list or the earlier turns of a
+conversation are prefilled once.
+
+The context horizon T. Π_T keeps the last T tokens. `ContextPolicy("exact")` applies it at
+every step past T (each such step rebuilds the state from Π_T(s ∘ w): the reference, and a
+full prefill of T tokens per step). The block policy makes reaching n = T a guard of the
+hybrid system whose jump map truncates the string to its last T − δ tokens once (one
+rebuild), after which δ ordinary steps follow; it is the default, with δ = T/8.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hybridlm.errors import InputError
+
+SEGMENT = 256  # positions per canonical prefill segment (besides the caller's marks)
+
+
+# ---------------------------------------------------------------------- the context horizon
+@dataclass(frozen=True)
+class ContextPolicy:
+    """What happens when a sequence reaches the context horizon T: "exact" (Π_T at every step) or
+    "block" (truncate to T − δ once; δ = None: T/8)."""
+
+    kind: str = "block"
+    delta: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("exact", "block"):
+            raise InputError(f"context policy {self.kind!r}: expected exact or block[:δ]")
+        if self.delta is not None and (isinstance(self.delta, bool) or not isinstance(self.delta, int)
+                                       or self.delta < 1):
+            raise InputError(f"context policy block:{self.delta!r}: expected δ an integer ≥ 1")
+
+    @classmethod
+    def parse(cls, text: str) -> "ContextPolicy":
+        """'exact', 'block' or 'block:δ'."""
+        kind, _, delta = str(text).strip().partition(":")
+        if delta:
+            try:
+                return cls(kind, int(delta))
+            except ValueError:
+                raise InputError(f"context policy {text!r}: δ must be an integer, e.g. block:256") from None
+        return cls(kind)
+
+    def margin(self, T: int) -> int:
+        """δ for a horizon T (at least 1, less than T)."""
+        if self.kind == "exact":
+            return 0
+        delta = self.delta if self.delta is not None else max(1, T // 8)
+        if delta >= T:
+            raise InputError(f"context policy block:{delta}: δ must be below the horizon T={T}")
+        return delta
+
+    def keep(self, T: int) -> int:
+        """How many trailing tokens a string keeps when it must fit: T (exact) or T − δ (block)."""
+        return T - self.margin(T)
+
+    def describe(self) -> str:
+        return "exact" if self.kind == "exact" else "block" if self.delta is None else f"block:{self.delta}"
+
+
+# ---------------------------------------------------------------------- prefix reuse
+class _Node:
+    __slots__ = ("children", "state", "parent", "segment")
+
+    def __init__(self, parent=None, segment=()) -> None:
+        self.children: dict[tuple, _Node] = {}
+        self.state = None
+        self.parent, self.segment = parent, segment
+
+
+class PrefixCache:
+    """States of prefilled prefixes in a trie of canonical segments, bounded in bytes (LRU)."""
+
+    def __init__(self, max_bytes: int = 256 * 2**20) -> None:
+        if max_bytes < 0:
+            raise InputError(f"prefix cache of {max_bytes} bytes: expected ≥ 0")
+        self.max_bytes = max_bytes
+        self.root = _Node()
+        self._lru: OrderedDict[int, _Node] = OrderedDict()  # nodes holding a state, oldest first
+        self.bytes = 0
+        self.hits = self.misses = self.hit_tokens = 0
+
+    def longest(self, segments: Sequence[tuple]) -> tuple[int, object] | None:
+        """The deepest cached state along these segments: (segments matched, a copy of its state)."""
+        node, best = self.root, None
+        for depth, seg in enumerate(segments):
+            node = node.children.get(seg)
+            if node is None:
+                break
+            if node.state is not None:
+                best = (depth + 1, node)
+        if best is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.hit_tokens += best[1].state.n
+        self._lru.move_to_end(id(best[1]))
+        return best[0], best[1].state.clone()
+
+    def put(self, segments: Sequence[tuple], state) -> None:
+        """Keep a copy of the state reached after these segments."""
+        size = _nbytes(state)
+        if size > self.max_bytes:
+            return
+        node = self.root
+        for seg in segments:
+            node = node.children.setdefault(seg, _Node(node, seg))
+        if node.state is not None:
+            self._lru.move_to_end(id(node))
+            return
+        node.state = _compact(state)
+        self._lru[id(node)] = node
+        self.bytes += size
+        while self.bytes > self.max_bytes and self._lru:
+            _, old = self._lru.popitem(last=False)
+            self.bytes -= _nbytes(old.state)
+            old.state = None
+            while old is not self.root and old.state is None and not old.children:  # prune empty branches
+                del old.parent.children[old.segment]
+                old = old.parent
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def stats(self) -> dict:
+        return {"entries": len(self), "bytes": self.bytes, "max_bytes": self.max_bytes, "hits": self.hits,
+                "misses": self.misses, "hit_tokens": self.hit_tokens}
+
+
+def _nbytes(state) -> int:
+    return int(state.nbytes()) if hasattr(state, "nbytes") else 0
+
+
+def _compact(state):
+    """A copy holding only the filled part of the state (a KVState's buffer trimmed to n)."""
+    copy = state.clone()
+    kv = getattr(copy, "kv", None)
+    if kv is not None and copy.n < kv.shape[4]:
+        with torch.inference_mode(False):
+            copy.kv = kv[..., : max(copy.n, 1), :].clone()
+    return copy
+
+
+# ---------------------------------------------------------------------- the prefill phase
+def segments(tokens: Sequence[int], marks: Iterable[int] = (), start: int = 0) -> list[tuple[int, int]]:
+    """The canonical segments [a, b) of tokens[start:]: boundaries at multiples of SEGMENT and at the marks."""
+    end = len(tokens)
+    cuts = {b for b in range((start // SEGMENT + 1) * SEGMENT, end, SEGMENT)}
+    cuts |= {int(m) for m in marks if start < int(m) < end}
+    bounds = [start, *sorted(cuts), end]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+@torch.no_grad()
+def prefill(model, tokens: Sequence[int], *, marks: Iterable[int] = (), cache: PrefixCache | None = None,
+            soft_prefix: torch.Tensor | None = None, policy: ContextPolicy = ContextPolicy()):
+    """x_0 for the string `tokens` (one sequence), in canonical segments, reusing cached prefixes.
+
+    A string longer than the horizon keeps its last `policy.keep(T)` tokens. With a soft prefix
+    (a control input, hybridlm.control.inputs) the prefix rows come first and nothing is cached.
+    """
+    tokens = [int(i) for i in tokens]
+    if not tokens:
+        raise InputError("empty prompt: a sequence needs at least one token")
+    T = model.config.n_ctx
+    if not hasattr(model, "empty_state"):  # a bare state-space form (init_state, F, G): its own Π_T
+        return model.init_state(tokens)
+    if soft_prefix is not None:
+        p = soft_prefix.shape[-2]
+        if p + len(tokens) > T:
+            raise InputError(f"soft prefix ({p}) and prompt ({len(tokens)}) exceed the horizon T={T}")
+        x = model.empty_state(1, capacity=p + len(tokens))
+        ids = torch.tensor([tokens], dtype=torch.long)
+        x.logits = model(ids, x, last_only=True, prefix=soft_prefix.detach())[:, -1]
+        return x
+    keep = policy.keep(T)
+    if len(tokens) > T:
+        shift = len(tokens) - keep
+        tokens, marks = tokens[shift:], [m - shift for m in marks]
+    parts = segments(tokens, marks)
+    keys = [tuple(tokens[a:b]) for a, b in parts]
+    x, done = None, 0
+    if cache is not None:
+        found = cache.longest(keys)
+        if found is not None:
+            done, x = found
+    if x is None:
+        x = model.empty_state(1, capacity=len(tokens))
+    for i in range(done, len(parts)):
+        a, b = parts[i]
+        model.F(x, tokens[a:b])
+        if cache is not None:
+            cache.put(keys[: i + 1], x)
+    return x
+
+
+@torch.no_grad()
+def inject(model, x, tokens: Sequence[int], *, policy: ContextPolicy = ContextPolicy()) -> bool:
+    """Append tokens (an observation enc(y)) to a state through a prefill; under the block policy a
+    string that would pass T is first cut to its last T − δ tokens (True: the state was rebuilt)."""
+    tokens = [int(i) for i in tokens]
+    if not tokens:
+        return False
+    T = model.config.n_ctx
+    if policy.kind == "block" and hasattr(x, "n") and x.n + len(tokens) > T:
+        _rebuild(model, x, (x.tokens[0].tolist() + tokens)[-policy.keep(T):])
+        return True
+    rebuilds = getattr(x, "rebuilds", 0)
+    model.F(x, tokens)  # past T, F itself rebuilds from Π_T(s ∘ w): the exact policy
+    return getattr(x, "rebuilds", 0) > rebuilds
+
+
+def truncate_for_step(model, x, policy: ContextPolicy) -> bool:
+    """The block policy's guard and jump map: a full state (n = T) is cut to its last T − δ
+    tokens before the next step. True when it jumped."""
+    T = model.config.n_ctx
+    if policy.kind != "block" or not hasattr(x, "n") or x.n < T:
+        return False
+    _rebuild(model, x, x.tokens[0].tolist()[-policy.keep(T):])
+    return True
+
+
+def _rebuild(model, x, tokens: list[int]) -> None:
+    if any(i < 0 for i in tokens):
+        raise InputError("the context holds soft-prefix rows, which a truncation cannot rebuild; "
+                         "shorten the prompt or the budget")
+    x.reset()
+    x.rebuilds += 1
+    for a, b in segments(tokens):
+        model.F(x, tokens[a:b])

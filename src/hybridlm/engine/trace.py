@@ -1,0 +1,74 @@
+"""Observers of the engine that keep a sequence's arc outside the process.
+
+`TraceWriter` writes each event as one JSON line the moment it happens, flushed (and
+fsynced at the start, at phase changes, jumps and the end), so a run killed at any moment
+leaves a file whose every line parses. `StateRecorder` keeps the final-layer residual state
+h⁽ᴸ⁾ of each decode step of its sequence (a hook point read on that sequence's rows only)
+and writes them to a safetensors file when the arc ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+_SYNCED = ("start", "phase", "jump", "end")
+
+
+class TraceWriter:
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.path, "w", encoding="utf-8")
+
+    def on_event(self, s, event) -> None:
+        self.write(event.to_dict())
+
+    def write(self, record: dict) -> None:
+        self._fh.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+        self._fh.flush()
+        if record.get("event") in _SYNCED:
+            os.fsync(self._fh.fileno())
+
+    def on_end(self, s) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class StateRecorder:
+    """h⁽ᴸ⁾ of the new token at every decode step of one sequence, saved as `resid_final` [t, d]."""
+
+    def __init__(self, model, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.point = f"blocks.{model.config.n_layer - 1}.hook_resid_post"
+        self.states: list[torch.Tensor] = []
+
+    def hooks(self, model) -> list:
+        return [(self.point, self._keep)]
+
+    def _keep(self, h: torch.Tensor, hook) -> None:
+        if h.shape[1] == 1:  # a decode step: the final-layer state of the new token
+            self.states.append(h[0, -1].detach().float().cpu())
+
+    def on_event(self, s, event) -> None:
+        pass
+
+    def on_end(self, s) -> None:
+        if not self.states:
+            return
+        from safetensors.torch import save_file
+
+        save_file({"resid_final": torch.stack(self.states)}, str(self.path),
+                  metadata={"hook": self.point, "rows": "token_step"})
