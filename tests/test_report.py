@@ -92,7 +92,9 @@ def extend_arc(events: list[dict], states: np.ndarray, *, jumps: int, token_step
         if e["event"] == "start":
             e["limits"] = dict(e["limits"], max_token_steps=token_steps, max_jumps=jumps)
         out.append(dict(e, t=t, k=k))
-    end = dict(events[-1], t=t, k=k, wall_s=round(wall + 0.001, 6), token_steps=t, jumps=k)
+    external = sum(e["duration_s"] for e in out if e["event"] == "jump")
+    end = dict(events[-1], t=t, k=k, wall_s=round(wall + 0.001, 6), token_steps=t, jumps=k,
+               wall_external_s=external, wall_generate_s=round(wall + 0.001 - external, 6))
     out.append(end)
     return out, np.stack(rows)
 

@@ -280,5 +280,10 @@ def _states(states, token_steps: int) -> dict | None:
         note = (f"{X.shape[0]} state rows for {token_steps} token steps: rows are matched to token steps in order, "
                 f"the first {min(X.shape[0], token_steps)} drawn")
     n = min(X.shape[0], token_steps) if token_steps else X.shape[0]
-    return {"rows": int(X.shape[0]), "dim": int(X.shape[1]), "norm": np.linalg.norm(X, axis=1)[:n].tolist(),
-            "pca": coords[:n].tolist(), "explained": share, "note": note}
+    return {"rows": int(X.shape[0]), "dim": int(X.shape[1]), "norm": _short(np.linalg.norm(X, axis=1)[:n]),
+            "pca": [_short(row) for row in coords[:n]], "explained": share, "note": note}
+
+
+def _short(values) -> list[float]:
+    """Six significant digits: what a plot and its tooltip show, at a third of the characters."""
+    return [float(f"{v:.6g}") for v in values]

@@ -133,7 +133,7 @@
     return [zero && lo === 0 ? 0 : lo - pad, hi + pad];
   }
   function tickText(v, log) {
-    if (!log) return fmt(v);
+    if (!log || (v >= 1e-3 && v < 1e5)) return fmt(v);
     var m = v / Math.pow(10, Math.floor(Math.log10(v)));
     return v.toExponential(Math.abs(m - Math.round(m)) < 1e-6 ? 0 : 1).replace("e+", "e");
   }
@@ -208,7 +208,19 @@
     var x = scale(xe[0], xe[1], m.l, W - m.r, spec.xlog), y = scale(ye[0], ye[1], H - m.b, m.t, logY);
     var ok = function (v, log) { return isNum(v) && (!log || v > 0); };
     var g = s("g", {}, svg);
-    xAxis(g, x, H - m.b, m.l, W - m.r, spec.xlabel || "", spec.xlog);
+    // integer data (layers, depths, steps) gets integer ticks; a few depths on a log axis are their own ticks
+    var distinct = xs.filter(function (v, i) { return isNum(v) && xs.indexOf(v) === i; }).sort(function (a, b) { return a - b; });
+    var xticks = x.ticks(8);
+    if (distinct.every(Number.isInteger)) {
+      xticks = spec.xlog && distinct.length <= 12 ? distinct : xticks.filter(Number.isInteger);
+    }
+    xAxis(g, x, H - m.b, m.l, W - m.r, spec.xlabel || "", spec.xlog, xticks);
+    var hidden = 0;
+    spec.series.forEach(function (se) {
+      se.x.forEach(function (xv, i) { if (isNum(xv) && isNum(se.y[i]) && !(ok(xv, spec.xlog) && ok(se.y[i], logY))) hidden++; });
+    });
+    if (hidden) s("text", { x: W - m.r, y: H - 4, class: "mark-label", "text-anchor": "end" }, svg,
+      hidden + " value" + (hidden > 1 ? "s" : "") + " ≤ 0 not drawn on the logarithmic axis");
     yAxis(g, y, m.l, m.t, H - m.b, spec.ylabel || "", logY, false);
     y.ticks(5).forEach(function (v) { s("line", { x1: m.l, x2: W - m.r, y1: y(v), y2: y(v), class: "grid" }, g); });
     var clipId = "clip-" + Math.random().toString(36).slice(2);
