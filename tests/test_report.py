@@ -353,6 +353,27 @@ def test_unknown_events_and_fields_are_listed(real_arc, browser, tmp_path):
     opened.page.close()
 
 
+def test_fields_of_the_wrong_type_draw_without_errors(browser, tmp_path):
+    events = [
+        {"event": "start", "task": 5, "kernel": None, "limits": "none", "tools": 3, "control": {"x": 1}},
+        {"event": "phase", "t": "zero", "k": None, "wall_s": -1, "phase": None, "tokens": "many"},
+        {"event": "token", "t": 1, "k": 0, "wall_s": float("inf"), "token": "?", "text": None, "phase": 7},
+        {"event": "token", "t": 2, "k": 0, "wall_s": 0.5, "token": 3, "text": ["a"], "p": "high", "entropy": True},
+        {"event": "control", "t": None, "controller": None, "removed_mass": "lots"},
+        {"event": "jump", "t": None, "k": "one", "wall_s": None, "tool": None, "arguments": None, "observation": None,
+         "duration_s": "long", "error": {"code": 1}},
+        {"event": "plant", "plant_t": "later", "state": "bad", "u": [None, 2]},
+        {"event": "batch"}, {"event": "context", "t": [1]},
+        {"event": "end", "answer": {"text": "x"}, "stop_reason": 3},
+    ]
+    out = tmp_path / "wrong.html"
+    out.write_text(render_arc_report(events), encoding="utf-8")
+    opened = open_report(browser, out)
+    assert_clean(opened, out)
+    assert opened.count("#domain .token-mark") == 2 and opened.count("#domain .jump-mark") == 1
+    opened.page.close()
+
+
 event_kinds = st.sampled_from(["start", "phase", "token", "jump", "control", "end", "batch", "context", "plant", "zzz"])
 values = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=True), st.text(max_size=5),
                    st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
@@ -496,6 +517,14 @@ def test_otel_file_is_otlp_json_lines(real_arc, tmp_path):
     spans = [s for line in lines for s in spans_of(json.loads(line))]
     assert len(spans) == n
     check_spans(spans, events, 1_700_000_000.0)
+    # a failed tool: its span carries error.type and an error status (OTLP STATUS_CODE_ERROR = 2)
+    failed = [dict(e, error="timeout", observation="error: timed out") if e["event"] == "jump" else e for e in events]
+    export_arc(failed, target, epoch_s=1_700_000_000.0)
+    spans = spans_of(json.loads(target.read_text().splitlines()[-1]))
+    check_spans(spans, failed, 1_700_000_000.0)
+    for span in (s for s in spans if s["name"].startswith("execute_tool ")):
+        assert attrs(span)["error.type"] == "timeout"
+        assert span["status"]["code"] == 2 and span["status"]["message"] == "timeout"
 
 
 def test_otel_posts_otlp_http_to_a_collector(real_arc):

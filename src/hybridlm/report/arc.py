@@ -71,7 +71,7 @@ def arc_view(events: list[dict], states=None) -> dict:
         "phases": _phases(events),
         "tokens": _tokens(events),
         "jumps": [_jump(e) for e in events if e["event"] == "jump"],
-        "controls": [_strip(e) for e in events if e["event"] == "control"],
+        "controls": [{**_strip(e), "t": _num(e.get("t")), "k": _num(e.get("k"))} for e in events if e["event"] == "control"],
         "controllers": (start or {}).get("control") or [],
         "wall_curve": _wall_curve(events),
         "marks": [{"event": e["event"], "t": _num(e.get("t")), "k": _num(e.get("k")), "wall_s": _num(e.get("wall_s")),
@@ -124,7 +124,8 @@ def _tokens(events: list[dict]) -> dict:
         cols["k"].append(_num(e.get("k")))
         cols["wall"].append(_num(e.get("wall_s")))
         cols["phase"].append(str(e.get("phase") or phase))
-        cols["text"].append(str(e.get("text", "")))
+        text = e.get("text")
+        cols["text"].append(text if isinstance(text, str) else "" if text is None else json.dumps(text, default=str))
         cols["id"].append(e.get("token"))
         p = next((e[f] for f in ("p", "prob") if isinstance(e.get(f), (int, float))), None)
         if p is None and isinstance(e.get("logprob"), (int, float)):
@@ -140,7 +141,8 @@ def _tokens(events: list[dict]) -> dict:
 
 
 def _jump(e: dict) -> dict:
-    out = {k: e.get(k) for k in ("t", "k", "wall_s", "tool", "arguments", "observation", "error", "duration_s")}
+    out = {k: e.get(k) for k in ("tool", "arguments", "observation", "error")}
+    out.update({k: _num(e.get(k)) for k in ("t", "k", "wall_s", "duration_s")})
     out["extra"] = {k: v for k, v in e.items() if k not in COMMON | KNOWN_FIELDS["jump"]} or None
     return out
 
