@@ -346,14 +346,9 @@ def report(path, out, states_path, otel):
     if otel is not None and kind != "arc":
         raise InputError(f"--otel exports an agent arc; {path} is a {kind} run folder")
     if otel is not None:
-        from hybridlm.agent.trace import read_trace
-        from hybridlm.report.otel import export_arc, is_url
+        from hybridlm.report.otel import export_trace, is_url
 
-        # a trace holds wall time from the arc's start; its file was last written at the arc's end
-        events = read_trace(path)
-        walls = [e["wall_s"] for e in events if isinstance(e.get("wall_s"), (int, float))]
-        epoch = Path(path).stat().st_mtime - max(walls + [0.0])
-        n = export_arc(events, otel, epoch_s=epoch)
+        n = export_trace(path, otel)
         click.echo(f"exported {n} spans to {otel}{'' if is_url(otel) else ' (OTLP JSON lines)'}")
     if out is None:
         out = Path(path).with_suffix(".html") if kind == "arc" else Path(path) / "report.html"

@@ -159,3 +159,12 @@ def export_arc(events: list[dict], target: str | os.PathLike, *, epoch_s: float 
     if result is not SpanExportResult.SUCCESS:
         raise InputError(f"--otel {target}: the spans could not be exported (see the log above)")
     return len(spans)
+
+
+def export_trace(path: str | os.PathLike, target: str | os.PathLike) -> int:
+    """Export a trace file's arc; its file was last written at the arc's end, which fixes the Unix time."""
+    from hybridlm.agent.trace import read_trace
+
+    events = read_trace(path)
+    walls = [e["wall_s"] for e in events if isinstance(e.get("wall_s"), (int, float))]
+    return export_arc(events, target, epoch_s=Path(path).stat().st_mtime - max(walls + [0.0]))
