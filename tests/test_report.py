@@ -342,8 +342,10 @@ def test_unknown_events_and_fields_are_listed(real_arc, browser, tmp_path):
     opened = open_report(browser, out)
     assert_clean(opened, out)
     assert opened.count("#domain .token-mark") == len(tokens)
-    assert opened.count("#domain .batch-mark") == 1 and opened.count("#domain .context-mark") == 1
-    assert opened.count("#engine tbody tr") == 2
+    batch, context = len(kinds(odd, "batch")), len(kinds(odd, "context"))
+    assert batch >= 1 and context >= 1  # (the engine writes batch events of its own; the test adds one of each)
+    assert opened.count("#domain .batch-mark") == batch and opened.count("#domain .context-mark") == context
+    assert opened.count("#engine tbody tr") == batch + context
     unknown = opened.page.inner_text("#unknown")
     assert "mystery" in unknown and "novel_field" in unknown
     opened.page.hover("#token-text .tok[data-i='2']")  # t = 3
