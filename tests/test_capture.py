@@ -92,3 +92,53 @@ def test_records_share_storage_only_when_compact():
     for key, value in rec.items():
         if value._base is not None:
             assert 2 * value.numel() >= value._base.numel(), key
+
+
+def test_activation_cache_reads_as_transformer_lens_does():
+    """TransformerLens' names and helpers, checked against the laws they stand for: the residual
+    stream is the sum of what wrote into it; the stack after the last block, normed with the
+    final norm's own scale and γ, is the final norm's output."""
+    for family, m in list(_models_of_every_family())[:2]:
+        ids = torch.randint(0, 100, (2, 7))
+        _, cache = m.run_with_cache(ids)
+        L = m.config.n_layer
+        assert torch.equal(cache["resid_post", 1], cache["blocks.1.hook_resid_post"])
+        assert torch.equal(cache["pattern", 0], cache["blocks.0.attn.hook_pattern"])
+        assert torch.equal(cache["post", 1], cache["blocks.1.mlp.hook_post"])
+        assert torch.equal(cache["resid_pre", -1], cache[f"blocks.{L - 1}.hook_resid_pre"])
+        acc, labels = cache.accumulated_resid(return_labels=True)
+        assert acc.shape == (L + 1, 2, 7, 16) and labels[-1] == "final_post"
+        assert torch.equal(acc[-1], cache["resid_post", L - 1]) and torch.equal(acc[0], cache["resid_pre", 0])
+        assert cache.accumulated_resid(1, incl_mid=True).shape[0] == 3  # pre 0, mid 0, pre 1
+        parts, names = cache.decompose_resid(return_labels=True)
+        assert names[0] == "embed" and len(names) == (2 if family == "gpt2" else 1) + 2 * L
+        assert torch.allclose(parts.sum(0), cache["resid_post", L - 1], atol=1e-5)
+        assert torch.allclose(cache.decompose_resid(1).sum(0), cache["resid_pre", 1], atol=1e-5)
+        normed = cache.accumulated_resid(apply_ln=True)[-1] * m.ln_final.weight
+        if family == "gpt2":
+            normed = normed + m.ln_final.bias
+        assert torch.allclose(normed, m.ln_final(cache["resid_post", L - 1]), atol=1e-5), family
+        assert cache.stack_activation("resid_post").shape == (L, 2, 7, 16)
+
+
+def test_one_recorder_serves_a_sequence_of_the_engine(tmp_path):
+    """The recorder as an observer: h of each decode step of one sequence, in a batch with another,
+    equals the same states recomputed alone; written with the token step of each row."""
+    from safetensors.torch import load_file
+
+    from hybridlm.engine import Engine
+    from hybridlm.engine.clock import sequence
+    from hybridlm.engine.trace import StateRecorder
+
+    m = small()
+    rec = StateRecorder(m, tmp_path / "states.safetensors")
+    a = sequence(m, [1, 2, 3], max_new_tokens=5, stop_ids=(), observers=[rec])
+    b = sequence(m, [9, 8, 7, 6, 5], max_new_tokens=5, stop_ids=())
+    engine = Engine(m)
+    engine.add(a)
+    engine.add(b)
+    engine.run()
+    saved = load_file(str(tmp_path / "states.safetensors"))
+    assert saved["t"].tolist() == [1, 2, 3, 4, 5]  # step t computes the state of its token w_t
+    _, cache = m.run_with_cache(torch.tensor([[1, 2, 3] + a.arc.tokens]))
+    assert torch.allclose(saved["resid_final"], cache["resid_post", 2][0, 3:8], atol=1e-5)

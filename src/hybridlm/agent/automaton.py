@@ -188,8 +188,8 @@ class AgentSystem(HybridSystem):
     def landed(self, s, result) -> list[int]:
         name, arguments, obs = result
         s.count_jump()
-        s.emit("jump", tool=name, arguments=arguments, observation=obs.text, error=obs.error,
-               duration_s=obs.duration_s, server=self._server(name))
+        s.emit("jump", id=f"call-{s.name}-{s.k}", tool=name, arguments=arguments, observation=obs.text,
+               error=obs.error, duration_s=obs.duration_s, server=self._server(name))
         grammar = s.call
         s.messages.append({"role": "assistant", "content": grammar.text})
         enc = self.agent.protocol.observation_ids(s.messages, obs.text, turn_closed=getattr(grammar, "ended", False))

@@ -142,7 +142,7 @@ class Engine:
         s.emit("start", **s.system.describe(s), model=getattr(model, "source", "?"), kernel=asdict(s.kernel),
                limits=asdict(s.limits), seed=s.seed, context=self.context.describe(),
                constraint=s.constraint.describe() if s.constraint is not None else None,
-               control=s.controls.describe() if s.controls is not None else [])
+               control=s.controls.describe() if s.controls is not None else [], time_unix_ns=time.time_ns())
         s.enter_phase("prefill", tokens=len(s.prompt))
         t0 = time.perf_counter()
         try:

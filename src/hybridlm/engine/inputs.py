@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from hybridlm.errors import InputError
+from hybridlm.lm.capture import Recorder
 
 NEG_INF = float("-inf")
 TEXT_TAIL = 256  # characters of the prompt kept as the text a barrier sees
@@ -173,7 +174,7 @@ class ControlLoop:
         self.stop_ids = set(stop_ids)
         self.prefix = the_prefix(self.controllers)
         self.table = None if getattr(model, "tokenizer", None) is None else model.tokenizer.table
-        self.hidden: torch.Tensor | None = None
+        self._hidden = None  # a Recorder of h⁽ᴸ⁾, when a controller reads it
         self.text = ""
 
     def describe(self) -> list[dict]:
@@ -184,11 +185,14 @@ class ControlLoop:
         pairs = [pair for c in self.controllers for pair in c.hooks(model)]
         if any(c.needs_hidden for c in self.controllers):
             L = model.config.n_layer
-            pairs.append((f"blocks.{L - 1}.hook_resid_post", self._keep_hidden))
+            self._hidden = Recorder(model, [f"blocks.{L - 1}.hook_resid_post"], last=True, keep="latest")
+            pairs += self._hidden.hooks()
         return pairs
 
-    def _keep_hidden(self, h, hook):
-        self.hidden = h[:, -1].detach()
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """h⁽ᴸ⁾ of the last position after the latest step, [1, d] (when a controller reads it)."""
+        return None if self._hidden is None else self._hidden.latest(self._hidden.names[0])
 
     def start(self, prompt: list[int], x, budget: int) -> None:
         """The text each barrier starts from (the tail of the decoded prompt); with a soft prefix,

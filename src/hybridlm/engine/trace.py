@@ -2,9 +2,9 @@
 
 `TraceWriter` writes each event as one JSON line the moment it happens, flushed (and
 fsynced at the start, at phase changes, jumps and the end), so a run killed at any moment
-leaves a file whose every line parses. `StateRecorder` keeps the final-layer residual state
-h⁽ᴸ⁾ of each decode step of its sequence (a hook point read on that sequence's rows only)
-and writes them to a safetensors file when the arc ends.
+leaves a file whose every line parses. `StateRecorder` is the recorder (hybridlm.lm.capture)
+set to keep the final-layer residual state h⁽ᴸ⁾ of each decode step of its sequence (a hook
+point read on that sequence's rows only) and to write them when the arc ends.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-import torch
+from hybridlm.lm.capture import Recorder
 
 _SYNCED = ("start", "phase", "jump", "end")
 
@@ -47,28 +47,8 @@ class TraceWriter:
         self.close()
 
 
-class StateRecorder:
-    """h⁽ᴸ⁾ of the new token at every decode step of one sequence, saved as `resid_final` [t, d]."""
-
-    def __init__(self, model, path: str | os.PathLike) -> None:
-        self.path = Path(path)
-        self.point = f"blocks.{model.config.n_layer - 1}.hook_resid_post"
-        self.states: list[torch.Tensor] = []
-
-    def hooks(self, model) -> list:
-        return [(self.point, self._keep)]
-
-    def _keep(self, h: torch.Tensor, hook) -> None:
-        if h.shape[1] == 1:  # a decode step: the final-layer state of the new token
-            self.states.append(h[0, -1].detach().float().cpu())
-
-    def on_event(self, s, event) -> None:
-        pass
-
-    def on_end(self, s) -> None:
-        if not self.states:
-            return
-        from safetensors.torch import save_file
-
-        save_file({"resid_final": torch.stack(self.states)}, str(self.path),
-                  metadata={"hook": self.point, "rows": "token_step"})
+def StateRecorder(model, path: str | os.PathLike) -> Recorder:
+    """h⁽ᴸ⁾ of the new token at every decode step of one sequence, written to `path` when its arc
+    ends as `resid_final` [steps, d] beside `t`, the token step of each row."""
+    point = f"blocks.{model.config.n_layer - 1}.hook_resid_post"
+    return Recorder(model, [point], last=True, decode_only=True, save=path, save_as="resid_final")

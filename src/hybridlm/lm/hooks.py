@@ -119,16 +119,3 @@ class HookedModule(nn.Module):
     def reset_hooks(self) -> None:
         for point in self._hook_points.values():
             point.fns.clear()
-
-    def run_with_cache(
-        self, *args, names: str | list[str] | Callable[[str], bool] = lambda n: True, **kwargs
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Run the model and return its output and the states at the selected hook points."""
-        cache: dict[str, torch.Tensor] = {}
-
-        def save(x: torch.Tensor, hook: HookPoint) -> None:
-            cache[hook.name] = x.detach()
-
-        with self.hooks([(n, save) for n in self._select(names)]):
-            out = self(*args, **kwargs)
-        return out, cache

@@ -26,6 +26,7 @@ from hybridlm.lm.attention import Attention
 from hybridlm.lm.config import ModelConfig
 from hybridlm.errors import InputError
 from hybridlm.lm.direct import DirectModule
+from hybridlm.lm.capture import Recordable
 from hybridlm.lm.hooks import HookedModule, HookPoint
 from hybridlm.lm.linear import affine, column_major_zeros
 from hybridlm.lm.mlp import make_mlp
@@ -135,7 +136,7 @@ class StateSpaceForm:
         return sum(p.numel() for p in self.parameters())
 
 
-class DecoderLM(StateSpaceForm, HookedModule):
+class DecoderLM(StateSpaceForm, HookedModule, Recordable):
     """A decoder-only language model: logits = model(ids) for ids of shape [B, n]."""
 
     def __init__(self, cfg: ModelConfig) -> None:

@@ -27,6 +27,7 @@ from torch import nn
 
 from hybridlm.errors import InputError
 from hybridlm.lm.direct import DirectModule
+from hybridlm.lm.capture import Recordable
 from hybridlm.lm.hooks import HookedModule, HookPoint
 from hybridlm.lm.linear import column_major_zeros
 from hybridlm.lm.mlp import make_mlp
@@ -76,7 +77,7 @@ class RecurrentBlock(DirectModule):
         return self.hook_resid_post(self.mix(h))
 
 
-class StackLM(StateSpaceForm, HookedModule):
+class StackLM(StateSpaceForm, HookedModule, Recordable):
     """A language model whose blocks are selective SSMs, RNNs and/or attention: logits = model(ids)."""
 
     def __init__(self, cfg: StackConfig) -> None:
