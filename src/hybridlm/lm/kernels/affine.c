@@ -12,11 +12,11 @@
  * contiguous [K, ldw] matrix and W[o, k] = Wt[k · ldw + o]. Each step of k then reads one row of
  * Wᵀ, the "axpy" order of a matrix-vector product, which streams the weights once for all rows.
  *
- * The AVX2 path holds a strip of 32 output columns for up to two rows in registers (eight
- * accumulators) while k runs over the whole of K, and takes the rows two at a time over a strip
- * that stays in cache; strips are split over PyTorch's OpenMP pool. Without AVX2 and FMA the same
- * order runs as plain loops (with separate multiply and add: -ffp-contract=off), a different but
- * equally batch-invariant rounding.
+ * The AVX2 path gives each thread of PyTorch's OpenMP pool its own contiguous columns and
+ * streams the rows of Wᵀ past them four at a time (four long sequential reads, the outputs in
+ * cache, the four multiply-adds of an output in the order of k), once for all rows of x.
+ * Without AVX2 and FMA the same order runs as plain loops (with separate multiply and add:
+ * -ffp-contract=off), a different but equally batch-invariant rounding.
  */
 #include <stdint.h>
 
@@ -29,69 +29,57 @@
 #define HYBRIDLM_AVX2 1
 #endif
 
-enum { STRIP = 32, PREFETCH_ROWS = 12, BLOCK = 1024 };
+enum { QUAD = 4, BLOCK = 8192 };
 
 #ifdef HYBRIDLM_AVX2
-/* rows ∈ {1, 2} rows of x against the 32 columns of Wᵀ starting at wt (row stride ldw). */
-static inline void strip32(int rows, int64_t K, const float *x, int64_t ldx, const float *wt, int64_t ldw,
-                           float *y, int64_t ldy, const float *b) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
-    const float *x0 = x, *x1 = x + ldx;
-    for (int64_t k = 0; k < K; ++k) {
-        const float *w = wt + k * ldw;
-        _mm_prefetch((const char *)(w + PREFETCH_ROWS * ldw), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + PREFETCH_ROWS * ldw + 16), _MM_HINT_T0);
-        const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
-        const __m256 w2 = _mm256_loadu_ps(w + 16), w3 = _mm256_loadu_ps(w + 24);
-        const __m256 u = _mm256_broadcast_ss(x0 + k);
-        a0 = _mm256_fmadd_ps(u, w0, a0);
-        a1 = _mm256_fmadd_ps(u, w1, a1);
-        a2 = _mm256_fmadd_ps(u, w2, a2);
-        a3 = _mm256_fmadd_ps(u, w3, a3);
-        if (rows == 2) {
-            const __m256 v = _mm256_broadcast_ss(x1 + k);
-            c0 = _mm256_fmadd_ps(v, w0, c0);
-            c1 = _mm256_fmadd_ps(v, w1, c1);
-            c2 = _mm256_fmadd_ps(v, w2, c2);
-            c3 = _mm256_fmadd_ps(v, w3, c3);
+/* Rows r < R of y, columns o0 ≤ o < o1 (a multiple of 8 apart), advanced by the k-rows
+ * k0 ≤ k < k0 + q of Wᵀ (q ≤ 4), in the order of k: y ← fma(x[r, k], Wᵀ[k, o], y) for k = k0, k0 + 1, …
+ * Each of the q rows of Wᵀ streams past once, contiguous, for all R rows of x. */
+static inline void quad(int64_t R, int64_t K, const float *x, const float *wt, int64_t ldw, int64_t k0, int q,
+                        int64_t o0, int64_t o1, float *y, int64_t ldy) {
+    const float *w0 = wt + k0 * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
+    if (R == 1 && q == QUAD) { /* a token step of one sequence: the four inputs held in registers */
+        const __m256 u0 = _mm256_broadcast_ss(x + k0), u1 = _mm256_broadcast_ss(x + k0 + 1);
+        const __m256 u2 = _mm256_broadcast_ss(x + k0 + 2), u3 = _mm256_broadcast_ss(x + k0 + 3);
+        for (int64_t o = o0; o < o1; o += 8) {
+            __m256 a = _mm256_loadu_ps(y + o);
+            a = _mm256_fmadd_ps(u0, _mm256_loadu_ps(w0 + o), a);
+            a = _mm256_fmadd_ps(u1, _mm256_loadu_ps(w1 + o), a);
+            a = _mm256_fmadd_ps(u2, _mm256_loadu_ps(w2 + o), a);
+            a = _mm256_fmadd_ps(u3, _mm256_loadu_ps(w3 + o), a);
+            _mm256_storeu_ps(y + o, a);
         }
+        return;
     }
-    if (b) {
-        const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
-        const __m256 b2 = _mm256_loadu_ps(b + 16), b3 = _mm256_loadu_ps(b + 24);
-        a0 = _mm256_add_ps(a0, b0), a1 = _mm256_add_ps(a1, b1), a2 = _mm256_add_ps(a2, b2), a3 = _mm256_add_ps(a3, b3);
-        c0 = _mm256_add_ps(c0, b0), c1 = _mm256_add_ps(c1, b1), c2 = _mm256_add_ps(c2, b2), c3 = _mm256_add_ps(c3, b3);
-    }
-    _mm256_storeu_ps(y, a0), _mm256_storeu_ps(y + 8, a1), _mm256_storeu_ps(y + 16, a2), _mm256_storeu_ps(y + 24, a3);
-    if (rows == 2) {
-        float *y1 = y + ldy;
-        _mm256_storeu_ps(y1, c0), _mm256_storeu_ps(y1 + 8, c1), _mm256_storeu_ps(y1 + 16, c2),
-            _mm256_storeu_ps(y1 + 24, c3);
+    for (int64_t o = o0; o < o1; o += 8) {
+        const __m256 v0 = _mm256_loadu_ps(w0 + o);
+        const __m256 v1 = q > 1 ? _mm256_loadu_ps(w1 + o) : v0, v2 = q > 2 ? _mm256_loadu_ps(w2 + o) : v0;
+        const __m256 v3 = q > 3 ? _mm256_loadu_ps(w3 + o) : v0;
+        for (int64_t r = 0; r < R; ++r) {
+            const float *xr = x + r * K + k0;
+            float *yr = y + r * ldy + o;
+            __m256 a = _mm256_fmadd_ps(_mm256_broadcast_ss(xr), v0, _mm256_loadu_ps(yr));
+            if (q > 1) a = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + 1), v1, a);
+            if (q > 2) a = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + 2), v2, a);
+            if (q > 3) a = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + 3), v3, a);
+            _mm256_storeu_ps(yr, a);
+        }
     }
 }
-#endif
 
-#ifdef HYBRIDLM_AVX2
-/* One row of x against the columns o0 ≤ o < o1 (a multiple of 32 apart) of Wᵀ, with the outputs
- * held in memory (a block of them stays in L1) while each row of Wᵀ streams past: the same
- * multiply-adds in the same order as strip32, read as one contiguous run per row of Wᵀ. */
-static void row_stream(int64_t K, const float *x, const float *wt, int64_t ldw, const float *b, int64_t o0,
-                       int64_t o1, float *y) {
-    for (int64_t o = o0; o < o1; o += 8) _mm256_storeu_ps(y + o, _mm256_setzero_ps());
-    for (int64_t k = 0; k < K; ++k) {
-        const __m256 u = _mm256_broadcast_ss(x + k);
-        const float *w = wt + k * ldw;
-        for (int64_t o = o0; o < o1; o += 32) {
-            _mm256_storeu_ps(y + o, _mm256_fmadd_ps(u, _mm256_loadu_ps(w + o), _mm256_loadu_ps(y + o)));
-            _mm256_storeu_ps(y + o + 8, _mm256_fmadd_ps(u, _mm256_loadu_ps(w + o + 8), _mm256_loadu_ps(y + o + 8)));
-            _mm256_storeu_ps(y + o + 16, _mm256_fmadd_ps(u, _mm256_loadu_ps(w + o + 16), _mm256_loadu_ps(y + o + 16)));
-            _mm256_storeu_ps(y + o + 24, _mm256_fmadd_ps(u, _mm256_loadu_ps(w + o + 24), _mm256_loadu_ps(y + o + 24)));
-        }
+/* Columns o0 ≤ o < o1 (a multiple of 8 apart) of every row, all of K, in blocks of BLOCK columns. */
+static void vector_columns(int64_t R, int64_t K, const float *x, const float *wt, int64_t ldw, const float *b,
+                           int64_t o0, int64_t o1, float *y, int64_t ldy) {
+    for (int64_t c0 = o0; c0 < o1; c0 += BLOCK) {
+        const int64_t c1 = c0 + BLOCK < o1 ? c0 + BLOCK : o1;
+        for (int64_t r = 0; r < R; ++r)
+            for (int64_t o = c0; o < c1; o += 8) _mm256_storeu_ps(y + r * ldy + o, _mm256_setzero_ps());
+        for (int64_t k = 0; k < K; k += QUAD) quad(R, K, x, wt, ldw, k, K - k < QUAD ? (int)(K - k) : QUAD, c0, c1, y, ldy);
+        if (b)
+            for (int64_t r = 0; r < R; ++r)
+                for (int64_t o = c0; o < c1; o += 8)
+                    _mm256_storeu_ps(y + r * ldy + o, _mm256_add_ps(_mm256_loadu_ps(y + r * ldy + o), _mm256_loadu_ps(b + o)));
     }
-    if (b)
-        for (int64_t o = o0; o < o1; o += 8)
-            _mm256_storeu_ps(y + o, _mm256_add_ps(_mm256_loadu_ps(y + o), _mm256_loadu_ps(b + o)));
 }
 #endif
 
@@ -121,33 +109,19 @@ static void columns(int64_t R, int64_t K, const float *x, const float *wt, int64
 void hybridlm_affine(const float *x, int64_t R, int64_t K, const float *wt, int64_t ldw, const float *b, int64_t N,
                      float *y) {
 #ifdef HYBRIDLM_AVX2
-    const int64_t strips = N / STRIP;
-    if (R == 1) { /* a single row streams Wᵀ row by row, in blocks of at most BLOCK columns, one per thread at least */
+    const int64_t vec = N / 8 * 8; /* columns in whole vectors; the rest in plain loops */
 #ifdef _OPENMP
-        const int64_t team = K * N > 65536 ? omp_get_max_threads() : 1;
+    const int team = R * K * N > 65536 ? omp_get_max_threads() : 1;
 #else
-        const int64_t team = 1;
+    const int team = 1;
 #endif
-        int64_t width = (strips + team - 1) / team * STRIP;
-        width = width > BLOCK ? BLOCK : width;
-        const int64_t blocks = strips ? (strips * STRIP + width - 1) / width : 0;
-#pragma omp parallel for schedule(static) if (blocks > 1 && K * N > 65536)
-        for (int64_t j = 0; j < blocks; ++j) {
-            const int64_t o0 = j * width, o1 = o0 + width < strips * STRIP ? o0 + width : strips * STRIP;
-            row_stream(K, x, wt, ldw, b, o0, o1, y);
-        }
-        if (strips * STRIP < N) columns(R, K, x, wt, ldw, b, strips * STRIP, N, y, N);
-        return;
+    const int64_t per = (vec / 8 + team - 1) / team * 8; /* each thread its own contiguous columns */
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
+    for (int part = 0; part < team; ++part) {
+        const int64_t o0 = part * per, o1 = o0 + per < vec ? o0 + per : vec;
+        if (o0 < o1) vector_columns(R, K, x, wt, ldw, b, o0, o1, y, N);
     }
-#pragma omp parallel for schedule(static) if (strips > 1 && R * K * N > 65536)
-    for (int64_t s = 0; s < strips; ++s) {
-        const int64_t o = s * STRIP;
-        for (int64_t r = 0; r < R; r += 2) {
-            const int rows = R - r >= 2 ? 2 : 1;
-            strip32(rows, K, x + r * K, K, wt + o, ldw, y + r * N + o, N, b ? b + o : 0);
-        }
-    }
-    if (strips * STRIP < N) columns(R, K, x, wt, ldw, b, strips * STRIP, N, y, N);
+    if (vec < N) columns(R, K, x, wt, ldw, b, vec, N, y, N);
 #else
     columns(R, K, x, wt, ldw, b, 0, N, y, N);
 #endif
