@@ -330,7 +330,8 @@ class Engine:
         recs: list[dict] = []
         if s.controls is not None and s.system.controlled(s):
             z, recs = s.controls.act(s.t + 1, z, s.x)
-        if not bool(torch.isfinite(z).any()):
+            masks.append(None)
+        if masks and not bool(torch.isfinite(z).any()):
             raise InputError(f"token step {s.t + 1}: no token is allowed (every logit is masked)")
         w, logprob = s.kernel.sample_with_logprob(z, s.generator)
         return int(w[0]), float(logprob[0]), recs
