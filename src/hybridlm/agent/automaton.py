@@ -300,7 +300,7 @@ class HybridAgent:
         if not task.strip():
             raise InputError("empty task: give the agent something to do")
         messages = self.protocol.messages(task)
-        prompt, marks = self.protocol.prompt_ids_and_marks(messages)
+        prompt, marks = self.protocol.prompt_ids_and_marks(messages)  # (the last mark: where the shared part ends)
         constraint = None
         if self.tool_choice == "required":  # a call segment forced open at the start of the turn
             if self.constrain:
@@ -319,7 +319,7 @@ class HybridAgent:
                 observers.append(StateRecorder(self.model, Path(trace).with_suffix(".safetensors")))
         return ArcState(self.system, prompt, kernel=self.kernel, seed=self.seed if seed is None else seed,
                         limits=self.limits, constraint=constraint, controls=controls, stop_ids=self.stop_ids,
-                        observers=observers, messages=messages, marks=tuple(marks), task=task,
+                        observers=observers, messages=messages, marks=tuple(marks[-1:]), task=task,
                         trace_path=str(trace) if trace else None)
 
     def _replayed(self, s) -> Observation | None:

@@ -203,10 +203,11 @@ def prefill(model, tokens: Sequence[int], *, marks: Iterable[int] = (), cache: P
             done, x = found
     if x is None:
         x = model.empty_state(1, capacity=len(tokens))
+    ends = {b for b in range(SEGMENT, len(tokens) + 1, SEGMENT)} | set(marks)
     for i in range(done, len(parts)):
         a, b = parts[i]
         model.F(x, tokens[a:b])
-        if cache is not None:
+        if cache is not None and b in ends:  # (a prompt's own tail is no prefix of another's segments)
             cache.put(keys[: i + 1], x)
     return x
 

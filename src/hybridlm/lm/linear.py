@@ -11,12 +11,14 @@
 
 Which product. A token step of the engine is a chain of matrix-vector products on a few
 rows (B sequences, one token each), each reading a weight matrix once for all of them. Its
-rows (at most `STEP_ROWS`) go through hybridlm's own float32 product (`kernels.affine`),
+rows (at most `STEP_ROWS`, one position per sequence) go through hybridlm's own float32
+product (`kernels.affine`),
 whose every output is summed in one fixed order whatever the rows beside it: a sequence
 gets the same bits alone or in any batch, which a BLAS does not promise (it chooses its
 kernels and splits by the shape). Where the library is not built, the rows go through
-PyTorch's product one at a time, with the same guarantee at B times the cost. Products that
-autograd records, other dtypes and other devices keep PyTorch's product.
+PyTorch's product one at a time, with the same guarantee at B times the cost. A prefill
+(several positions of one sequence) is not a batch of sequences and takes the BLAS, faster
+on many rows; so do products that autograd records, other dtypes and other devices.
 
 Long blocks. A product of many rows (a prefill) is compute-bound; it is taken in blocks of
 `BLOCK_COLUMNS` output columns, each written in place into the one result. The BLAS
@@ -58,7 +60,7 @@ class Linear(DirectModule, nn.Linear):
 def affine(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x Wᵀ + b: a token step's few rows batch-invariant, a long block in column blocks."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows <= STEP_ROWS and _plain(x, W, b):
+    if rows <= STEP_ROWS and (x.dim() < 3 or x.shape[-2] == 1) and _plain(x, W, b):  # one token per sequence
         product = kernels.affine()
         if product is not None and product.applies(x, W, b):
             return product(x, W, b)
