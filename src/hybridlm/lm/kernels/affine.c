@@ -51,7 +51,24 @@ static inline void quad(int64_t R, int64_t K, const float *x, const float *wt, i
         }
         return;
     }
-    for (int64_t o = o0; o < o1; o += 8) {
+    int64_t o = o0;
+    if (q == QUAD)
+        for (; o + 16 <= o1; o += 16) { /* 16 columns: each input broadcast once for two vectors */
+            const __m256 v0 = _mm256_loadu_ps(w0 + o), v1 = _mm256_loadu_ps(w1 + o), v2 = _mm256_loadu_ps(w2 + o),
+                         v3 = _mm256_loadu_ps(w3 + o), e0 = _mm256_loadu_ps(w0 + o + 8), e1 = _mm256_loadu_ps(w1 + o + 8),
+                         e2 = _mm256_loadu_ps(w2 + o + 8), e3 = _mm256_loadu_ps(w3 + o + 8);
+            for (int64_t r = 0; r < R; ++r) {
+                const float *xr = x + r * K + k0;
+                float *yr = y + r * ldy + o;
+                __m256 a = _mm256_loadu_ps(yr), c = _mm256_loadu_ps(yr + 8), u = _mm256_broadcast_ss(xr);
+                a = _mm256_fmadd_ps(u, v0, a), c = _mm256_fmadd_ps(u, e0, c), u = _mm256_broadcast_ss(xr + 1);
+                a = _mm256_fmadd_ps(u, v1, a), c = _mm256_fmadd_ps(u, e1, c), u = _mm256_broadcast_ss(xr + 2);
+                a = _mm256_fmadd_ps(u, v2, a), c = _mm256_fmadd_ps(u, e2, c), u = _mm256_broadcast_ss(xr + 3);
+                a = _mm256_fmadd_ps(u, v3, a), c = _mm256_fmadd_ps(u, e3, c);
+                _mm256_storeu_ps(yr, a), _mm256_storeu_ps(yr + 8, c);
+            }
+        }
+    for (; o < o1; o += 8) {
         const __m256 v0 = _mm256_loadu_ps(w0 + o);
         const __m256 v1 = q > 1 ? _mm256_loadu_ps(w1 + o) : v0, v2 = q > 2 ? _mm256_loadu_ps(w2 + o) : v0;
         const __m256 v3 = q > 3 ? _mm256_loadu_ps(w3 + o) : v0;
