@@ -1,14 +1,15 @@
 """An MCP server for the tests, written with the `mcp` package's server API (MCPServer).
 
-    python tests/mcp_server.py              stdio
-    python tests/mcp_server.py --http PORT  streamable HTTP on 127.0.0.1:PORT/mcp
+    python tests/mcp_server.py [--pid-file PATH]              stdio
+    python tests/mcp_server.py --http PORT [--pid-file PATH]  streamable HTTP on 127.0.0.1:PORT/mcp
 
 Tools: one that adds, one that always fails, one that hangs, one with a nested-object
 schema, one that returns structured content, one that returns a huge text, one that
-blocks until it is killed (writing its pid first to the file named by MCP_TEST_PID_FILE),
+blocks until it is killed (writing its pid first to the --pid-file, so a test knows when to kill it),
 and one that makes the process exit in the middle of the call.
 """
 
+import argparse
 import asyncio
 import os
 import sys
@@ -76,7 +77,7 @@ def flood(chars: int) -> str:
 @server.tool(structured_output=False)
 async def block() -> str:
     """Block until the server is killed."""
-    path = os.environ.get("MCP_TEST_PID_FILE")
+    path = ARGS.pid_file
     if path:
         with open(path + ".tmp", "w") as fh:
             fh.write(str(os.getpid()))
@@ -99,8 +100,13 @@ def pid() -> str:
     return str(os.getpid())
 
 
+parser = argparse.ArgumentParser()
+parser.add_argument("--http", type=int, default=None, help="serve streamable HTTP on this port of 127.0.0.1")
+parser.add_argument("--pid-file", default=None)
+ARGS = parser.parse_args() if __name__ == "__main__" else parser.parse_args([])
+
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--http":
-        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
+    if ARGS.http is not None:
+        server.run("streamable-http", host="127.0.0.1", port=ARGS.http)
     else:
         server.run()

@@ -342,6 +342,25 @@ def tool_registry(tools: str = "calculator", *, kb: str | Path | None = None, mc
         yield reg
 
 
+def without_grammar(reg: ToolRegistry, tokenizer) -> dict[str, str]:
+    """The tools whose arguments the constrained call grammar cannot write yet, and why.
+
+    Today's grammar covers required string, number, integer and boolean arguments; an MCP
+    tool with an object or array argument would stop a constrained run at its first call.
+    """
+    from hybridlm.agent.grammar import CallGrammar
+
+    missing = {}
+    for t in reg:
+        grammar = CallGrammar(ToolRegistry({t.name: t}), tokenizer.table)
+        try:
+            grammar.feed('{"name": "')
+            grammar.allowed()  # at the name: builds the argument segments of the tool
+        except ValueError as exc:
+            missing[t.name] = str(exc)
+    return missing
+
+
 def name_servers(trace_path: str | Path, reg: ToolRegistry) -> None:
     """Write the server of each tool into the start and jump events of a finished trace.
 

@@ -208,6 +208,7 @@ class Plant:
             self._tell(row)
             return {"time_s": round(self.t, 3), "commanded": round(float(value), 4),
                     "applied": round(float(record.applied[index]), 4),
+                    **({"saturated": True} if self.u[index] != value else {}),
                     **({"safety_filter": "corrected"} if record.corrected else {})}
 
     def _filtered(self, t: float, x: np.ndarray) -> Filtered:
@@ -228,9 +229,11 @@ class Plant:
                          lambda: self.read())]
         for a in self.actuators:
             what = a.description or a.name
+            # no minimum/maximum in the schema: an actuator saturates, and the reply says what it applied
             out.append(PlantTool(
-                f"set_{a.name}", f"Set the {what} ({a.low:g} to {a.high:g}{' ' + a.unit if a.unit else ''}).",
-                {"type": "object", "properties": {"value": {"type": "number", "minimum": a.low, "maximum": a.high}},
+                f"set_{a.name}", f"Set the {what}: a number from {a.low:g} to {a.high:g}"
+                f"{' ' + a.unit if a.unit else ''} (values beyond saturate).",
+                {"type": "object", "properties": {"value": {"type": "number"}},
                  "required": ["value"], "additionalProperties": False},
                 lambda value, name=a.name: self.command(name, float(value))))
         return out
