@@ -5,6 +5,7 @@ integrating factor), the projection onto a half-space for the QP, and for the lo
 scripted policy on a clock set by hand (no wall time involved).
 """
 
+import json
 import math
 
 import jsonschema
@@ -209,3 +210,45 @@ def test_supervisor_decides_on_the_period_and_on_a_predicted_crossing(smollm2, t
     assert stages == ["start", "end"] * len(arc.decisions)
     assert (tmp_path / "arc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob(".arc.jsonl.decision-*"))  # merged and removed
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cbf"], "need a plant"),
+    (["--plant", "pump"], "built-ins are tank, room"),
+    (["--plant", "tank", "--band", "60,40"], "LOW < HIGH"),
+    (["--plant", "tank", "--plant-speed", "0"], "--plant-speed 0.0"),
+])
+def test_cli_plant_options_are_checked_first(args, message):
+    from click.testing import CliRunner
+
+    from hybridlm.cli import cli
+
+    result = CliRunner().invoke(cli, ["agent", *args, "Keep the level between 40 and 60 cm"])
+    assert result.exit_code == 2 and message in result.output
+
+
+def test_cli_agent_in_the_loop_of_the_tank(smollm2, tmp_path):
+    """End to end on the default model: a decision's jump reaches the plant (through the filter),
+    the arc holds the plant's events and the figure is written."""
+    from click.testing import CliRunner
+
+    from hybridlm.cli import cli
+
+    trace, figure = tmp_path / "tank.jsonl", tmp_path / "tank.png"
+    result = CliRunner().invoke(cli, ["agent", "--plant", "tank", "--cbf", "--plant-speed", "20", "--horizon", "20",
+                                      "--trace", str(trace), "--figure", str(figure),
+                                      "Keep the level between 40 and 60 cm for the next 20 s"])
+    assert result.exit_code == 0, result.output
+    events = read_trace(trace)
+    assert events[0]["event"] == "start" and events[0]["plant"]["cbf"] == {"gamma": 0.5}
+    jumps = [e for e in events if e["event"] == "jump"]
+    assert jumps and {j["server"] for j in jumps} == {"plant:tank"}
+    plant_events = [e for e in events if e["event"] == "plant"]
+    assert {"start", "end"} <= {e["kind"] for e in plant_events}
+    assert all("plant_time" in e and "state" in e for e in plant_events)
+    for j in jumps:
+        if j["tool"] == "set_valve" and j["error"] is None:
+            reply = json.loads(j["observation"])
+            assert 0.0 <= reply["applied"] <= 1.0
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "in the safe set" in result.output

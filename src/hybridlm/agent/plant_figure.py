@@ -32,15 +32,18 @@ def plant_figure(arc, plant, path: str | Path) -> Path:
         top.axvline(c.tau1, color=color, lw=0.9, alpha=0.8)
     for c in plant.crossings:
         top.plot([c.tau], [c.state[0]], marker="x" if c.direction == "leave" else "o", color="tab:red", ms=7)
+    for ax in (top, bottom):
+        ax.axvline(arc.horizon_s, color="black", ls=":", lw=1)
     top.set_ylabel(plant.states[0])
     top.set_title(f"{plant.name}: {arc.safe_fraction:.0%} of {arc.horizon_s:g} s in the safe set, "
-                  f"{arc.violations} violations, {len(arc.decisions)} decisions"
+                  f"{arc.violations} violation{'' if arc.violations == 1 else 's'}, {len(arc.decisions)} decisions"
                   f"{' (CBF filter on)' if plant.filter is not None else ''}")
     handles = [plt.Line2D([], [], color="tab:blue", label=plant.states[0]),
                plt.Line2D([], [], color="tab:red", ls="--", label="safe set boundary"),
                plt.Rectangle((0, 0), 1, 1, color="tab:orange", alpha=0.3, label="model busy (a decision)"),
                plt.Line2D([], [], color="tab:green", label="jump: set actuator"),
-               plt.Line2D([], [], color="tab:gray", label="jump: other tool")]
+               plt.Line2D([], [], color="tab:gray", label="jump: other tool"),
+               plt.Line2D([], [], color="black", ls=":", label="horizon")]
     top.legend(handles=handles, loc="best", fontsize=8)
     if arc.corrections:  # the held command, a step function from the first segment's
         first = plant.segments[0].commanded[0] if plant.segments else plant.u[0]

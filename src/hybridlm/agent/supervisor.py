@@ -166,6 +166,8 @@ class Supervisor:
         self._t = self._k = 0
         self._trace = TraceWriter(trace) if trace else NullTrace()
         self._in_decision = False
+        if not plant.segments:
+            plant.start()  # τ = 0 at the start of the run
         plant.listeners.append(self._plant_event)
         decisions: list[Decision] = []
         try:

@@ -23,6 +23,10 @@ class WallClock:
         self.speed = float(speed)
         self._start = time.perf_counter()
 
+    def restart(self) -> None:
+        """τ = 0 now (a supervisor starts the clock when its run starts, not when the plant was built)."""
+        self._start = time.perf_counter()
+
     def time(self) -> float:
         return self.speed * (time.perf_counter() - self._start)
 
@@ -43,6 +47,9 @@ class ManualClock:
     def __init__(self, start: float = 0.0) -> None:
         self.now = float(start)
         self._wall0 = time.perf_counter()
+
+    def restart(self) -> None:
+        """A clock set by hand stays where it was set."""
 
     def time(self) -> float:
         return self.now

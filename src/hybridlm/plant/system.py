@@ -106,6 +106,14 @@ class Plant:
         self.listeners: list[Callable[[dict], None]] = []  # told of each command and crossing
         self._lock = threading.RLock()
 
+    def start(self) -> None:
+        """Start the plant's clock now; only before the plant has flowed."""
+        with self._lock:
+            if self.segments:
+                raise InputError(f"plant {self.name} has already flowed to τ = {self.t:.3f} s; it starts once")
+            self.clock.restart()
+            self.t = self.clock.time()
+
     # ------------------------------------------------------------------ the flow
     def input(self, t: float, x: np.ndarray, commanded: np.ndarray | None = None) -> np.ndarray:
         """u(t, x): the held command, through the safety filter when there is one."""
