@@ -233,11 +233,11 @@ class Supervisor:
         self.agent.seed = self.seed + index
         try:
             arc = self.agent.run(prompt, trace=path)
+            plant.advance()  # to the decision's end: a crossing during it belongs to it
         finally:
             with self._lock:
                 self._in_decision = False
                 pending, calls = self._pending, self._calls
-        plant.advance()
         jumps = [{"tool": j.tool, "arguments": j.arguments, "error": j.error} for j in arc.jumps]
         decision = Decision(index, reason, prompt, tau0, plant.t, time.perf_counter() - wall0, arc.token_steps,
                             jumps, arc.answer, arc.stop_reason, calls)

@@ -30,9 +30,6 @@ class WallClock:
     def time(self) -> float:
         return self.speed * (time.perf_counter() - self._start)
 
-    def wall(self) -> float:
-        return time.perf_counter() - self._start
-
     def sleep_until(self, tau: float, stop: threading.Event | None = None) -> None:
         """Wait until plant time τ (or until `stop` is set)."""
         wait = (tau - self.time()) / self.speed
@@ -46,16 +43,12 @@ class WallClock:
 class ManualClock:
     def __init__(self, start: float = 0.0) -> None:
         self.now = float(start)
-        self._wall0 = time.perf_counter()
 
     def restart(self) -> None:
         """A clock set by hand stays where it was set."""
 
     def time(self) -> float:
         return self.now
-
-    def wall(self) -> float:
-        return time.perf_counter() - self._wall0
 
     def sleep_until(self, tau: float, stop: threading.Event | None = None) -> None:
         self.now = max(self.now, float(tau))
