@@ -31,6 +31,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import shlex
 import shutil
@@ -315,6 +316,8 @@ def mcp_tools(specs: Sequence[str], *, into: ToolRegistry | None = None,
     reg = into if into is not None else ToolRegistry()
     with MCPServers(specs, timeout_s=timeout_s) as servers:
         for t in servers.tools:
+            if t.name in reg:  # a built-in's name: the server's tool is qualified by its server
+                t = dataclasses.replace(t, name=f"{t.server}.{t.name}")
             if t.name in reg:
                 raise InputError(f"MCP tool {t.name!r} of server {t.server} has the name of a tool already offered")
             reg.register(t)
