@@ -172,49 +172,158 @@ def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top
                        f"in total, {c['no_safe_steps']} steps with no safe token]", err=True)
 
 
+def _mcp_options(fn):
+    """--mcp and --mcp-timeout: MCP tool servers beside the built-in tools (for `agent`, later `serve`)."""
+    fn = click.option("--mcp-timeout", type=float, default=30.0, show_default=True,
+                      help="Seconds an MCP tool call may take before it becomes a timeout observation.")(fn)
+    fn = click.option("--mcp", "mcp", multiple=True,
+                      help='An MCP server: a command ("python server.py") for stdio or an http(s)://…/mcp URL '
+                           "(repeatable); its tools are offered beside --tools.")(fn)
+    return fn
+
+
+def _plant_options(fn):
+    fn = click.option("--figure", "figure_path", type=click.Path(dir_okay=False), default=None,
+                      help="With --plant: the PNG of the trajectory [default: the trace's name with .png].")(fn)
+    fn = click.option("--band", default=None, help="With --plant: the safe band LOW,HIGH of the plant's state "
+                      "[default: tank 40,60 cm; room 19,23 °C].")(fn)
+    fn = click.option("--period", type=float, default=10.0, show_default=True,
+                      help="With --plant: plant seconds between two decisions (also re-prompted on a crossing).")(fn)
+    fn = click.option("--horizon", type=float, default=120.0, show_default=True,
+                      help="With --plant: plant seconds the run lasts.")(fn)
+    fn = click.option("--cbf", is_flag=True, help="With --plant: a control-barrier-function filter on the actuators.")(fn)
+    fn = click.option("--plant-speed", type=float, default=1.0, show_default=True,
+                      help="With --plant: simulated plant seconds per wall second.")(fn)
+    fn = click.option("--plant", "plant_name", default=None,
+                      help="Put the agent in the loop of a plant: tank or room (supervisory control).")(fn)
+    return fn
+
+
 @cli.command()
 @click.argument("task")
 @click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
-@click.option("--tools", default="calculator", show_default=True, help="Comma-separated: calculator, clock, lookup.")
+@click.option("--tools", default=None,
+              help="Comma-separated: calculator, clock, lookup; none for only the MCP servers' or the plant's tools "
+                   "[default: calculator; with --plant: none].")
 @click.option("--kb", type=click.Path(dir_okay=False), default=None, help="JSON knowledge base for the lookup tool.")
 @click.option("--tool-choice", type=click.Choice(["required", "auto", "none"]), default="required", show_default=True,
               help="required: the first turn opens a tool call; auto: the model decides; none: no tools.")
-@click.option("--max-jumps", default=3, show_default=True, type=click.IntRange(min=0), help="Jump horizon.")
-@click.option("--max-new-tokens", "-n", default=160, show_default=True, type=click.IntRange(min=1),
-              help="Token budget of the whole arc.")
+@click.option("--max-jumps", default=None, type=click.IntRange(min=0), help="Jump horizon [default: 3; per decision with --plant: 2].")
+@click.option("--max-new-tokens", "-n", default=None, type=click.IntRange(min=1),
+              help="Token budget of the whole arc [default: 160; per decision with --plant: 40].")
 @click.option("--temperature", "-t", type=float, default=None, help="Sample at τ > 0 (default: greedy).")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
-              help="Write the hybrid arc to this JSONL file as it happens.")
+              help="Write the hybrid arc to this JSONL file as it happens [with --plant: default PLANT-arc.jsonl].")
 @click.option("--states", is_flag=True, help="With --trace: also save the final-layer state of each token (safetensors).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_mcp_options
+@_plant_options
 @_control_options
 def agent(task, model_spec, tools, kb, tool_choice, max_jumps, max_new_tokens, temperature, seed, trace_path,
-          states, as_json, ban, steer, steer_layer, steer_scale):
+          states, as_json, mcp, mcp_timeout, plant_name, plant_speed, cbf, horizon, period, band, figure_path,
+          ban, steer, steer_layer, steer_scale):
     """Run TASK through the agentic hybrid automaton (generate ⇄ external modes)."""
-    from hybridlm.agent import HybridAgent, Limits, registry
+    from hybridlm.agent import HybridAgent, Limits
+    from hybridlm.agent.mcp import name_servers, tool_registry
     from hybridlm.errors import InputError
     from hybridlm.engine.sampling import Kernel
     from hybridlm.weights.loading import load_model
 
     if not task.strip():
         raise InputError("empty task: give the agent something to do")
-    names = [n.strip() for n in tools.split(",") if n.strip()]
-    reg = registry(names, kb=kb)
+    if plant_name is None and (cbf or band or figure_path or plant_speed != 1.0):
+        raise InputError("--cbf, --band, --figure and --plant-speed need a plant: add --plant tank (or room)")
+    if plant_name is not None:
+        plan = _plant_plan(plant_name, plant_speed, horizon, period, band)
     kernel = Kernel(greedy=True) if temperature is None else Kernel(temperature=temperature)
-    model = load_model(model_spec, seed=seed)
-    runner = HybridAgent(model, reg, kernel=kernel, limits=Limits(max_token_steps=max_new_tokens, max_jumps=max_jumps),
-                         tool_choice=tool_choice, seed=seed, record_states=states,
-                         controllers=_controllers(model, ban, steer, steer_layer, steer_scale))
-    arc = runner.run(task, trace=trace_path)
+    with tool_registry(tools or ("none" if plant_name else "calculator"), kb=kb, mcp=mcp,
+                       timeout_s=mcp_timeout) as reg:
+        model = load_model(model_spec, seed=seed)
+        controllers = _controllers(model, ban, steer, steer_layer, steer_scale)
+        _drop_without_grammar(reg, model)
+        if plant_name is not None:
+            if controllers or states:
+                raise InputError("--plant takes no --ban/--steer/--states (each decision is a fresh arc)")
+            limits = Limits(max_token_steps=max_new_tokens or 40, max_jumps=2 if max_jumps is None else max_jumps)
+            _run_plant(model, reg, plan, task, kernel=kernel, limits=limits, tool_choice=tool_choice, seed=seed,
+                       cbf=cbf, trace_path=trace_path, figure_path=figure_path, as_json=as_json)
+            return
+        limits = Limits(max_token_steps=max_new_tokens or 160, max_jumps=3 if max_jumps is None else max_jumps)
+        runner = HybridAgent(model, reg, kernel=kernel, limits=limits, tool_choice=tool_choice, seed=seed,
+                             record_states=states, controllers=controllers)
+        arc = runner.run(task, trace=trace_path)
+    if trace_path:
+        name_servers(trace_path, reg)
     if as_json:
         click.echo(json.dumps(arc.to_dict(), ensure_ascii=False))
         return
+    servers = {t.name: t.server for t in reg}
     for j in arc.jumps:
         status = f" [{j.error}]" if j.error else ""
-        click.echo(f"  jump {j.k} at t={j.t}: {j.tool}({json.dumps(j.arguments)}) → {j.observation[:120]}{status}", err=True)
+        where = f" @{servers[j.tool]}" if servers.get(j.tool) else ""
+        click.echo(f"  jump {j.k} at t={j.t}: {j.tool}{where}({json.dumps(j.arguments)}) → {j.observation[:120]}{status}",
+                   err=True)
     click.echo(arc.answer)
     click.echo(f"[{arc.summary()}{', trace ' + trace_path if trace_path else ''}]", err=True)
+
+
+def _drop_without_grammar(reg, model) -> None:
+    """Leave out (and name) the MCP tools whose arguments the call grammar cannot write yet."""
+    from hybridlm.agent.mcp import without_grammar
+
+    for name, reason in without_grammar(reg, model.tokenizer).items():
+        server = reg.tools[name].server
+        del reg.tools[name]
+        click.echo(f"[note: tool {name}{' of ' + server if server else ''} is not offered: {reason}]", err=True)
+
+
+def _plant_plan(name, speed, horizon, period, band) -> dict:
+    """The plant options checked before anything slow starts."""
+    import math
+
+    from hybridlm.errors import InputError
+    from hybridlm.plant import PLANTS
+
+    if name not in PLANTS:
+        raise InputError(f"--plant {name!r}: built-ins are {', '.join(PLANTS)}")
+    for option, value in (("--plant-speed", speed), ("--horizon", horizon), ("--period", period)):
+        if not (math.isfinite(value) and value > 0):
+            raise InputError(f"{option} {value}: expected a finite number > 0")
+    plan = {"name": name, "speed": speed, "horizon": horizon, "period": period, "band": {}}
+    if band is not None:
+        try:
+            low, high = (float(v) for v in band.split(","))
+        except ValueError:
+            raise InputError(f"--band {band!r}: expected LOW,HIGH (two numbers)") from None
+        if not (math.isfinite(low) and math.isfinite(high) and low < high):
+            raise InputError(f"--band {band!r}: expected two finite numbers with LOW < HIGH")
+        plan["band"] = {"low": low, "high": high}
+    return plan
+
+
+def _run_plant(model, reg, plan, task, *, kernel, limits, tool_choice, seed, cbf, trace_path, figure_path, as_json):
+    from pathlib import Path
+
+    from hybridlm.agent.supervisor import Supervisor
+    from hybridlm.plant import WallClock, make_plant
+
+    trace_path = trace_path or f"{plan['name']}-arc.jsonl"
+    figure_path = figure_path or str(Path(trace_path).with_suffix(".png"))
+    plant = make_plant(plan["name"], clock=WallClock(plan["speed"]), cbf=cbf, **plan["band"])
+    supervisor = Supervisor(model, plant, horizon_s=plan["horizon"], period_s=plan["period"], limits=limits,
+                            kernel=kernel, tool_choice=tool_choice, seed=seed, tools=reg)
+    arc = supervisor.run(task, trace=trace_path, figure=figure_path)
+    if as_json:
+        click.echo(json.dumps(arc.to_dict(), ensure_ascii=False, default=str))
+        return
+    for d in arc.decisions:
+        calls = ", ".join(f"{j['tool']}({json.dumps(j['arguments'])})" + (f" [{j['error']}]" if j["error"] else "")
+                          for j in d.jumps) or "no call"
+        click.echo(f"  decision {d.index} ({d.reason}) τ {d.tau0:6.1f} → {d.tau1:6.1f} s, {d.token_steps} token steps, "
+                   f"{d.wall_s:.2f} s: {calls}", err=True)
+    click.echo(arc.summary())
+    click.echo(f"[trace {arc.trace}, figure {arc.figure}]", err=True)
 
 
 @cli.group(cls=Group)

@@ -90,7 +90,9 @@ class Observation:
     """What a tool call returns to the context: y, or an error in its place."""
 
     text: str
-    error: str | None = None  # kind of failure: unknown_tool, invalid_arguments, exception, timeout, too_large
+    # kind of failure: unknown_tool, invalid_arguments, exception, timeout, too_large, or one a thread
+    # tool names itself (an MCP server's tool_error, server_disconnected, ...)
+    error: str | None = None
     duration_s: float = 0.0
 
     @property
@@ -143,7 +145,11 @@ class ToolRegistry:
         if "error" in result:
             return Observation(f"error: {name} raised {result['error']}", "exception")
         value = result.get("value")
-        text = value if isinstance(value, str) else json.dumps(value, default=str)
+        if isinstance(value, Observation):  # a thread tool that names its own failures (MCP, plants)
+            return value if value.error else self._capped(value.text)
+        return self._capped(value if isinstance(value, str) else json.dumps(value, default=str))
+
+    def _capped(self, text: str) -> Observation:
         if len(text) > self.max_output_chars:
             return Observation(
                 text[: self.max_output_chars] + f" … [error: output of {len(text)} characters cut to "

@@ -1,0 +1,393 @@
+"""Model Context Protocol tool servers in the external mode q_E.
+
+An MCP server offers tools with JSON schemas; each becomes a `Tool` of the registry
+(runs_in="thread", server=<the server's name>), so a call is a jump like any other and
+the trace names the server. Servers are reached over stdio (a command we start and stop)
+or streamable HTTP (a URL); the specification of a server is one string:
+
+    "python server.py --flag"          stdio: the command and its arguments (shell-split)
+    "http://127.0.0.1:8000/mcp"        streamable HTTP
+
+The `mcp` client is asyncio; `ToolRegistry.call` is blocking and runs each call in a
+worker thread. `MCPServers` owns one event loop on a background thread: every session
+lives in one task of that loop (entered and left in the same task, as anyio's cancel
+scopes require), and a call from any thread is a coroutine submitted to the loop and
+waited for with a timeout. Every failure is an error observation, named:
+
+    tool_error            the server ran the tool and reported `isError`
+    timeout               no result within the timeout (the request is cancelled)
+    server_disconnected   the server exited, was killed or closed the connection
+    server_error          the server answered the request with a protocol error
+    too_large             the result exceeds the registry's output cap
+
+A structured result (`structuredContent`) is injected as its JSON text, otherwise the
+text of the content blocks. `close()` leaves the sessions, which closes the stdio
+servers' input and ends their processes, then stops the loop and joins its thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import shlex
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from hybridlm.agent.tools import Observation, Tool, ToolRegistry, registry
+from hybridlm.errors import InputError
+
+DEFAULT_TIMEOUT_S = 30.0  # a tool call
+CONNECT_TIMEOUT_S = 30.0  # starting a server, the handshake and listing its tools
+_GRACE_S = 2.0  # the registry's own guard waits this much longer than our timeout
+
+
+@dataclass
+class ServerSpec:
+    """One `--mcp` value: a stdio command or a streamable-HTTP URL."""
+
+    text: str
+    url: str | None = None
+    command: str | None = None
+    args: list[str] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, text: str) -> "ServerSpec":
+        if not isinstance(text, str) or not text.strip():
+            raise InputError("--mcp: empty server; expected a command (\"python server.py\") or an http(s) URL")
+        text = text.strip()
+        if text.startswith(("http://", "https://")):
+            parts = urlsplit(text)
+            if not parts.hostname:
+                raise InputError(f"--mcp {text!r}: the URL has no host; expected e.g. http://127.0.0.1:8000/mcp")
+            return cls(text, url=text)
+        try:
+            words = shlex.split(text)
+        except ValueError as exc:
+            raise InputError(f"--mcp {text!r}: cannot split the command ({exc})") from None
+        if shutil.which(words[0]) is None:
+            raise InputError(f"--mcp {text!r}: command {words[0]!r} not found")
+        return cls(text, command=words[0], args=words[1:])
+
+    @property
+    def label(self) -> str:
+        """A name for the server before it names itself."""
+        if self.url:
+            parts = urlsplit(self.url)
+            return f"{parts.hostname}:{parts.port}" if parts.port else str(parts.hostname)
+        script = next((a for a in self.args if not a.startswith("-")), None)
+        return Path(script or self.command).stem
+
+
+@dataclass
+class _Connection:
+    spec: ServerSpec
+    name: str = ""
+    client: Any = None
+    listed: list = field(default_factory=list)
+    stop: asyncio.Event | None = None
+    holder: concurrent.futures.Future | None = None
+    errlog: Any = None  # the stdio server's stderr, kept to say why it died
+    dead: str | None = None  # why calls can no longer reach it
+
+    def stderr_tail(self, chars: int = 300) -> str:
+        if self.errlog is None:
+            return ""
+        try:
+            self.errlog.flush()
+            self.errlog.seek(0)
+            text = self.errlog.read()
+        except (OSError, ValueError):
+            return ""
+        lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+        return lines[-1][-chars:] if lines else ""
+
+
+class MCPServers:
+    """Sessions with MCP servers on a background event loop, and their tools as `Tool`s."""
+
+    def __init__(self, specs: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        if not timeout_s > 0:
+            raise InputError(f"MCP timeout {timeout_s}: expected a positive number of seconds")
+        self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
+        self.connections = [_Connection(ServerSpec.parse(s)) for s in specs]
+        self.tools: list[Tool] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="mcp-loop", daemon=True)
+        self._thread.start()
+        try:
+            for conn in self.connections:
+                self._connect(conn)
+            self._build_tools()
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ sessions
+    def _connect(self, conn: _Connection) -> None:
+        ready: concurrent.futures.Future = concurrent.futures.Future()
+        conn.holder = asyncio.run_coroutine_threadsafe(self._hold(conn, ready), self._loop)
+        try:
+            ready.result(self.connect_timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise InputError(f"MCP server {conn.spec.text!r}: no handshake within {self.connect_timeout_s:g} s") from None
+        except Exception as exc:  # noqa: BLE001 - any failure to start is one line for the user
+            tail = conn.stderr_tail()
+            raise InputError(f"MCP server {conn.spec.text!r}: cannot connect ({_reason(exc)})"
+                             + (f"; its stderr: {tail}" if tail else "")) from None
+
+    async def _hold(self, conn: _Connection, ready: concurrent.futures.Future) -> None:
+        """The task that owns one session from connection to close."""
+        from mcp import Client
+
+        conn.stop = asyncio.Event()
+        try:
+            async with Client(self._transport(conn), read_timeout_seconds=self.connect_timeout_s) as client:
+                conn.client = client
+                info = client.server_info
+                conn.name = (info.name if info is not None and info.name else "") or conn.spec.label
+                cursor = None
+                while True:  # every page of the listing
+                    page = await client.list_tools(cursor=cursor)
+                    conn.listed.extend(page.tools)
+                    cursor = page.next_cursor
+                    if not cursor:
+                        break
+                ready.set_result(None)
+                await conn.stop.wait()
+        except BaseException as exc:  # noqa: BLE001 - recorded: the calls report it
+            conn.dead = conn.dead or f"the session ended ({_reason(exc)})"
+            if not ready.done():
+                ready.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            conn.dead = conn.dead or "the session was closed"
+
+    def _transport(self, conn: _Connection):
+        from mcp.client.stdio import StdioServerParameters, stdio_client
+        from mcp.client.streamable_http import streamable_http_client
+
+        if conn.spec.url:
+            return streamable_http_client(conn.spec.url)
+        conn.errlog = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")
+        return stdio_client(StdioServerParameters(command=conn.spec.command, args=conn.spec.args),
+                            errlog=conn.errlog)
+
+    # ------------------------------------------------------------------ tools
+    def _build_tools(self) -> None:
+        counts = collections.Counter(c.name for c in self.connections)
+        for i, conn in enumerate(self.connections):  # two servers of one name: number them
+            if counts[conn.name] > 1:
+                conn.name = f"{conn.name}#{i + 1}"
+        taken: set[str] = set()
+        for conn in self.connections:
+            for listed in conn.listed:
+                name = listed.name if listed.name not in taken else f"{conn.name}.{listed.name}"
+                taken.add(name)
+                schema = dict(listed.input_schema or {"type": "object"})
+                schema.setdefault("type", "object")
+                self.tools.append(Tool(
+                    name=name, description=(listed.description or "").strip().split("\n")[0],
+                    parameters=schema, fn=self._caller(conn, listed.name),
+                    timeout_s=self.timeout_s + _GRACE_S, runs_in="thread", server=conn.name))
+
+    def _caller(self, conn: _Connection, remote_name: str):
+        def call(**arguments) -> Observation:
+            return self.call(conn, remote_name, arguments)
+
+        return call
+
+    def call(self, conn: _Connection, name: str, arguments: dict) -> Observation:
+        """One tools/call on the loop, waited for from this (worker) thread."""
+        from mcp import MCPError
+        from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
+
+        where = f"{conn.name}/{name}"
+        if conn.dead:
+            return Observation(f"error: MCP server {conn.name} cannot be reached ({conn.dead})", "server_disconnected")
+        future = asyncio.run_coroutine_threadsafe(
+            conn.client.call_tool(name, arguments, read_timeout_seconds=self.timeout_s), self._loop)
+        try:
+            result = future.result(self.timeout_s + _GRACE_S / 2)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            return _timeout(where, self.timeout_s)
+        except MCPError as exc:
+            if exc.code == REQUEST_TIMEOUT:
+                return _timeout(where, self.timeout_s)
+            if exc.code == CONNECTION_CLOSED:
+                return self._disconnected(conn, where, exc)
+            return Observation(f"error: {where}: the server answered with error {exc.code}: {exc.message}",
+                               "server_error")
+        except Exception as exc:  # noqa: BLE001 - a broken transport (HTTP refused, reset, ...)
+            return self._disconnected(conn, where, exc)
+        return observation_of(result, where)
+
+    def _disconnected(self, conn: _Connection, where: str, exc: BaseException) -> Observation:
+        tail = conn.stderr_tail()
+        conn.dead = f"disconnected during a call to {where} ({_reason(exc)})" + (
+            f"; its stderr: {tail}" if tail else "")
+        return Observation(f"error: MCP server {conn.name} {conn.dead}", "server_disconnected")
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Leave every session (stdio servers exit or are terminated), stop the loop, join its thread."""
+        if self._loop.is_closed():
+            return
+        for conn in self.connections:
+            if conn.stop is not None:
+                self._loop.call_soon_threadsafe(conn.stop.set)
+        for conn in self.connections:
+            if conn.holder is not None:
+                with contextlib.suppress(BaseException):
+                    conn.holder.result(10.0)  # stdio shutdown: stdin closed, 2 s grace, then terminate/kill
+                if not conn.holder.done():
+                    self._loop.call_soon_threadsafe(conn.holder.cancel)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+        for conn in self.connections:
+            if conn.errlog is not None:
+                conn.errlog.close()
+
+    def __enter__(self) -> "MCPServers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def observation_of(result, where: str) -> Observation:
+    """y from a CallToolResult: structured content as JSON text, else the text of the blocks."""
+    text = "\n".join(_block_text(b) for b in result.content)
+    if result.is_error:
+        return Observation(f"error: {where}: {text or 'the tool reported an error'}", "tool_error")
+    if result.structured_content is not None:
+        return Observation(json.dumps(result.structured_content, ensure_ascii=False))
+    return Observation(text)
+
+
+def _block_text(block) -> str:
+    kind = getattr(block, "type", "")
+    if kind == "text":
+        return block.text
+    if kind in ("image", "audio"):
+        return f"[{kind} {block.mime_type}, {len(block.data)} base64 characters]"
+    if kind == "resource_link":
+        return f"[resource {block.uri}]"
+    if kind == "resource":
+        res = block.resource
+        return getattr(res, "text", None) or f"[resource {res.uri}, binary]"
+    return f"[{kind or type(block).__name__} content]"
+
+
+def _timeout(where: str, seconds: float) -> Observation:
+    return Observation(f"error: {where} did not finish within {seconds:g} s (the request was cancelled)", "timeout")
+
+
+def _reason(exc: BaseException) -> str:
+    """The innermost message of an exception (anyio wraps transport failures in groups)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+@contextlib.contextmanager
+def mcp_tools(specs: Sequence[str], *, into: ToolRegistry | None = None,
+              timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[ToolRegistry]:
+    """A registry with the tools of the given MCP servers, open for the `with` block.
+
+        with mcp_tools(["python server.py", "http://127.0.0.1:8000/mcp"]) as reg:
+            HybridAgent(model, reg).run("...")
+    """
+    reg = into if into is not None else ToolRegistry()
+    with MCPServers(specs, timeout_s=timeout_s) as servers:
+        for t in servers.tools:
+            if t.name in reg:  # a built-in's name: the server's tool is qualified by its server
+                t = dataclasses.replace(t, name=f"{t.server}.{t.name}")
+            if t.name in reg:
+                raise InputError(f"MCP tool {t.name!r} of server {t.server} has the name of a tool already offered")
+            reg.register(t)
+        yield reg
+
+
+@contextlib.contextmanager
+def tool_registry(tools: str = "calculator", *, kb: str | Path | None = None, mcp: Sequence[str] = (),
+                  timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[ToolRegistry]:
+    """The registry of the `--tools`, `--kb` and `--mcp` options (for `agent` and `serve`).
+
+    `tools` is a comma-separated list of built-ins, or "none" for only the MCP servers' tools.
+    """
+    names = [n.strip() for n in tools.split(",") if n.strip()]
+    if names == ["none"]:
+        names = []
+    elif "none" in names:
+        raise InputError(f"--tools {tools!r}: 'none' cannot be combined with other tools")
+    specs = [ServerSpec.parse(s).text for s in mcp]  # every bad value named before any server starts
+    reg = registry(names, kb=kb)
+    if not specs:
+        yield reg
+        return
+    with mcp_tools(specs, into=reg, timeout_s=timeout_s) as reg:
+        yield reg
+
+
+def without_grammar(reg: ToolRegistry, tokenizer) -> dict[str, str]:
+    """The tools whose arguments the constrained call grammar cannot write yet, and why.
+
+    Today's grammar covers required string, number, integer and boolean arguments; an MCP
+    tool with an object or array argument would stop a constrained run at its first call.
+    """
+    from hybridlm.agent.grammar import CallGrammar
+
+    missing = {}
+    for t in reg:
+        grammar = CallGrammar(ToolRegistry({t.name: t}), tokenizer.table)
+        try:
+            grammar.feed('{"name": "')
+            grammar.allowed()  # at the name: builds the argument segments of the tool
+        except ValueError as exc:
+            missing[t.name] = str(exc)
+    return missing
+
+
+def name_servers(trace_path: str | Path, reg: ToolRegistry) -> None:
+    """Write the server of each tool into the start and jump events of a finished trace.
+
+    The agent's trace names the tool of each jump; the server that ran it is known to the
+    registry. (Once the automaton writes `server` itself, this goes.)
+    """
+    path = Path(trace_path)
+    servers = {t.name: t.server for t in reg if t.server}
+    if not servers or not path.is_file():
+        return
+    lines = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            lines.append(line)
+            continue
+        if event.get("event") == "jump" and event.get("tool") in servers:
+            event["server"] = servers[event["tool"]]
+        elif event.get("event") == "start" and isinstance(event.get("tools"), list):
+            for schema in event["tools"]:
+                if isinstance(schema, dict) and schema.get("name") in servers:
+                    schema["server"] = servers[schema["name"]]
+        lines.append(json.dumps(event, ensure_ascii=False, default=str))
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tmp.replace(path)
