@@ -225,7 +225,7 @@ def agent(task, model_spec, tools, kb, tool_choice, max_jumps, max_new_tokens, t
           ban, steer, steer_layer, steer_scale):
     """Run TASK through the agentic hybrid automaton (generate ⇄ external modes)."""
     from hybridlm.agent import HybridAgent, Limits
-    from hybridlm.agent.mcp import name_servers, tool_registry
+    from hybridlm.agent.mcp import tool_registry
     from hybridlm.errors import InputError
     from hybridlm.engine.sampling import Kernel
     from hybridlm.weights.loading import load_model
@@ -253,8 +253,6 @@ def agent(task, model_spec, tools, kb, tool_choice, max_jumps, max_new_tokens, t
         runner = HybridAgent(model, reg, kernel=kernel, limits=limits, tool_choice=tool_choice, seed=seed,
                              record_states=states, controllers=controllers)
         arc = runner.run(task, trace=trace_path)
-    if trace_path:
-        name_servers(trace_path, reg)
     if as_json:
         click.echo(json.dumps(arc.to_dict(), ensure_ascii=False))
         return

@@ -220,7 +220,7 @@ class AgentSystem(HybridSystem):
     def describe(self, s) -> dict:
         agent = self.agent
         return {"system": "agent", "task": s.task, "tool_choice": agent.tool_choice, "constrain": agent.constrain,
-                "tools": [t.schema() for t in agent.tools]}
+                "tools": [{**t.schema(), **({"server": t.server} if t.server else {})} for t in agent.tools]}
 
 
 class HybridAgent:

@@ -362,32 +362,3 @@ def without_grammar(reg: ToolRegistry, tokenizer) -> dict[str, str]:
         except ValueError as exc:
             missing[t.name] = str(exc)
     return missing
-
-
-def name_servers(trace_path: str | Path, reg: ToolRegistry) -> None:
-    """Write the server of each tool into the start and jump events of a finished trace.
-
-    The agent's trace names the tool of each jump; the server that ran it is known to the
-    registry. (Once the automaton writes `server` itself, this goes.)
-    """
-    path = Path(trace_path)
-    servers = {t.name: t.server for t in reg if t.server}
-    if not servers or not path.is_file():
-        return
-    lines = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            lines.append(line)
-            continue
-        if event.get("event") == "jump" and event.get("tool") in servers:
-            event["server"] = servers[event["tool"]]
-        elif event.get("event") == "start" and isinstance(event.get("tools"), list):
-            for schema in event["tools"]:
-                if isinstance(schema, dict) and schema.get("name") in servers:
-                    schema["server"] = servers[schema["name"]]
-        lines.append(json.dumps(event, ensure_ascii=False, default=str))
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    tmp.replace(path)

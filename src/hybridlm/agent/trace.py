@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hybridlm.engine.trace import TraceWriter  # noqa: F401 - the writer is an observer of the engine
+from hybridlm.engine.trace import NullTrace, TraceWriter  # noqa: F401 - the writer is an observer of the engine
 from hybridlm.errors import InputError
 
 

@@ -27,7 +27,10 @@ class TraceWriter:
     def on_event(self, s, event) -> None:
         self.write(event.to_dict())
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict | str, **fields) -> None:
+        """One event: a whole record, or its kind and fields (`write("plant", t=…, k=…, wall_s=…, …)`)."""
+        if isinstance(record, str):
+            record = {"event": record, **fields}
         self._fh.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
         self._fh.flush()
         if record.get("event") in _SYNCED:
@@ -45,6 +48,18 @@ class TraceWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class NullTrace:
+    """Stands in for a TraceWriter when no trace is asked for."""
+
+    path = None
+
+    def write(self, record, **fields) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def StateRecorder(model, path: str | os.PathLike) -> Recorder:
