@@ -49,7 +49,12 @@ def ray_pool(cluster):
 
 
 def local_run(cfg, folder) -> Path:
-    R.run_consensus(cfg, folder, progress=False)
+    """The reference: the local run, on two threads (a Ray worker of one CPU runs one)."""
+    torch.set_num_threads(2)
+    try:
+        R.run_consensus(cfg, folder, progress=False)
+    finally:
+        torch.set_num_threads(1)
     return Path(folder)
 
 
@@ -220,6 +225,18 @@ print("ray" in sys.modules)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False"
     assert (tmp_path / "c" / "consensus.csv").exists() and (tmp_path / "s" / "sweep.json").exists()
+
+
+def test_ray_options_without_ray_installed_name_the_extra(tmp_path):
+    code = f"""
+import sys
+sys.modules["ray"] = None  # as if Ray were not installed: `import ray` raises ImportError
+from hybridlm.cli import cli
+cli(["consensus", "--model", "random:gpt2", "--ray", "--out", {str(tmp_path / "c")!r}], prog_name="hybridlm")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == ["Error: --ray needs Ray. Ray is not installed: pip install 'hybridlm[ray]'"]
 
 
 # ---------------------------------------------------------------------- on the cluster

@@ -329,7 +329,7 @@ def trace_replay(file, model_spec):
 def _ray_options(fn):
     """--ray and --ray-address: where the shards of prompts or tasks run (hybridlm.distributed)."""
     fn = click.option("--ray-address", default=None, metavar="ADDRESS",
-                      help="Run the shards as tasks of the Ray cluster at ADDRESS (host:port or ray://host:port).")(fn)
+                      help="Run the shards as tasks of the Ray cluster at ADDRESS (host:port of its head node).")(fn)
     fn = click.option("--ray", "use_ray", is_flag=True,
                       help="Run the shards as Ray tasks: join the Ray instance running here, or start one.")(fn)
     return fn
@@ -343,6 +343,12 @@ def _on_ray(use_ray, ray_address, what: str, value) -> bool:
 
         raise InputError(f"{what} {value} splits the work for Ray: add --ray or --ray-address ADDRESS")
     return on_ray
+
+
+def _shard_done(run, result, done, total) -> None:
+    ran = result.ran
+    click.echo(f"  shard {done}/{total}: prompts {result.start}–{result.stop - 1} of {run.out.name}, "
+               f"{ran.get('compute_s', 0):.1f} s on node {str(ran.get('node', '?'))[:8]}", err=True)
 
 
 @cli.group("eval", cls=Group)
@@ -442,7 +448,8 @@ def consensus(model_spec, weights, attention_only, prompts, prompt_len, passes, 
         from hybridlm.distributed import open_pool, run_consensus_sharded
 
         with open_pool(use_ray, ray_address, device=device) as pool:
-            summary = run_consensus_sharded(cfg, out, pool=pool, shard_prompts=shard_prompts or 8)
+            summary = run_consensus_sharded(cfg, out, pool=pool, shard_prompts=shard_prompts or 8,
+                                            on_shard=_shard_done)
     else:
         summary = run_consensus(cfg, out, device=device)
     below = summary["first_layer_step_below_0.05"]
@@ -473,7 +480,7 @@ def sweep(spec, out, scale, device, use_ray, ray_address):
 
     click.echo(f"{len(plan.runs)} runs at scale {plan.scale}", err=True)
     with open_pool(use_ray, ray_address, device=device) as pool:
-        record = run_sweep(plan, out, pool, on_run=on_run)
+        record = run_sweep(plan, out, pool, on_run=on_run, on_shard=_shard_done)
     click.echo(f"{len(record['runs'])} runs in {record['wall_s']:.1f} s on {record['pool']['kind']}; "
                f"figures: {', '.join(record['figures'].values()) or 'none'}; wrote {out}")
 

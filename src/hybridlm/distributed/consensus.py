@@ -142,8 +142,9 @@ def _summary_info(out: Path) -> dict:
     return {"model_source": summary["model_source"], "shape": summary["shape"]}
 
 
-def run_many(runs: list[ShardedConsensus], pool, *, on_finish=None) -> list[dict]:
-    """All shards of all runs on one pool at once; each run is written as its last shard arrives."""
+def run_many(runs: list[ShardedConsensus], pool, *, on_finish=None, on_shard=None) -> list[dict]:
+    """All shards of all runs on one pool at once; each run is written as its last shard
+    arrives. `on_shard(run, result, done, total)` and `on_finish(run, summary)` report progress."""
     owner, jobs = [], []
     for run in runs:
         for job in run.jobs():
@@ -160,9 +161,14 @@ def run_many(runs: list[ShardedConsensus], pool, *, on_finish=None) -> list[dict
         if run.complete:  # nothing left to compute (kept shards, or finished before)
             finish_run(i)
 
+    arrivals = [0]
+
     def arrived(j: int, result: ShardResult) -> None:
         run = owner[j]
         run.add(result)
+        arrivals[0] += 1
+        if on_shard is not None:
+            on_shard(run, result, arrivals[0], len(jobs))
         if run.complete:
             finish_run(runs.index(run))
 
@@ -170,6 +176,7 @@ def run_many(runs: list[ShardedConsensus], pool, *, on_finish=None) -> list[dict
     return [summaries[i] for i in range(len(runs))]
 
 
-def run_consensus_sharded(cfg: ConsensusConfig, out: str | Path, *, pool, shard_prompts: int) -> dict:
+def run_consensus_sharded(cfg: ConsensusConfig, out: str | Path, *, pool, shard_prompts: int, on_shard=None) -> dict:
     """`run_consensus` with the prompts in shards of `shard_prompts` run on `pool`."""
-    return run_many([ShardedConsensus(cfg, out, shard_prompts=shard_prompts, device=pool.device)], pool)[0]
+    run = ShardedConsensus(cfg, out, shard_prompts=shard_prompts, device=pool.device)
+    return run_many([run], pool, on_shard=on_shard)[0]

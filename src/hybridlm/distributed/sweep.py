@@ -161,12 +161,13 @@ def run_name(cfg: ConsensusConfig) -> str:
     return f"{model}__{cfg.weights}__{variant}__{cfg.prompts}x{cfg.prompt_len}__{cfg.passes}p__seed{cfg.seed}"
 
 
-def run_sweep(sweep: Sweep, out: str | Path, pool, *, on_run=None) -> dict:
+def run_sweep(sweep: Sweep, out: str | Path, pool, *, on_run=None, on_shard=None) -> dict:
     """Every run of the sweep on `pool`, then the figures and sweep.json; returns sweep.json.
 
     In this process each run is a local run (checkpointed after every pass); on Ray, the
     shards of all runs go to the cluster at once and each run is written as its last shard
-    arrives. Either way a restart skips what is finished.
+    arrives. Either way a restart skips what is finished. `on_run(run, summary, done, total)`
+    and, on Ray, `on_shard(...)` of `run_many` report progress.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -192,7 +193,7 @@ def run_sweep(sweep: Sweep, out: str | Path, pool, *, on_run=None) -> dict:
             shards[by_plan[id(plan)].name] = plan.shards()
             finished(by_plan[id(plan)], summary)
 
-        run_many(plans, pool, on_finish=plan_finished)
+        run_many(plans, pool, on_finish=plan_finished, on_shard=on_shard)
     wall_s = time.perf_counter() - t0
     figures = {}
     for fig, runs in sweep.figures().items():
