@@ -5,7 +5,6 @@ The reference is the local run of the same configuration in this process
 uneven shards, killed workers and interrupted sweeps.
 """
 
-import csv
 import json
 import os
 import signal
@@ -24,7 +23,7 @@ from hypothesis import strategies as st
 from hybridlm.agent.evaluation import evaluate
 from hybridlm.analysis import runner as R
 from hybridlm.distributed import consensus as DC
-from hybridlm.distributed import LocalPool, evaluate_sharded, load_sweep, map_shards, run_consensus_sharded, run_sweep
+from hybridlm.distributed import LocalPool, load_sweep, map_shards, run_consensus_sharded, run_sweep
 from hybridlm.distributed.sweep import run_name
 
 torch.set_num_threads(1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridlm.agent.evaluation import problems, solve, summarize
+from hybridlm.agent.evaluation import MODES, problems, solve, summarize
 from hybridlm.distributed.shards import map_shards
 from hybridlm.distributed.worker import worker_model
 
@@ -19,7 +19,7 @@ def agent_shard(model_spec: str | None, seed: int, device: str, shard: list) -> 
     return rows
 
 
-def evaluate_sharded(model_spec: str | None, *, pool, n: int = 50, modes=("tools", "no-tools"), seed: int = 0,
+def evaluate_sharded(model_spec: str | None, *, pool, n: int = 50, modes=MODES, seed: int = 0,
                      shard_size: int = 5, store: str | Path | None = None, progress=None) -> dict:
     """`evaluate` with the problems of every mode in shards of `shard_size` run on `pool`.
     With `store`, finished shards are kept there and a rerun skips them."""
