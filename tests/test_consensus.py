@@ -88,17 +88,17 @@ def test_runner_writes_csv_json_png_and_resumes(tmp_path, monkeypatch):
     assert summary["layer_steps"] == 12 and summary["config"]["weights"] == "random-redrawn"
     assert (tmp_path / "full" / "consensus.png").stat().st_size > 1000
 
-    real_checkpoint = R._checkpoint
+    real_checkpoint = R.save_checkpoint
 
-    def crash_after_two(out, cfg, h, done):
-        real_checkpoint(out, cfg, h, done)
+    def crash_after_two(out, cfg, h, done, info):
+        real_checkpoint(out, cfg, h, done, info)
         if done == 2:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(R, "_checkpoint", crash_after_two)
+    monkeypatch.setattr(R, "save_checkpoint", crash_after_two)
     with pytest.raises(KeyboardInterrupt):
         R.run_consensus(cfg, tmp_path / "resumed", progress=False)
-    monkeypatch.setattr(R, "_checkpoint", real_checkpoint)
+    monkeypatch.setattr(R, "save_checkpoint", real_checkpoint)
     R.run_consensus(cfg, tmp_path / "resumed", progress=False)
     resumed = list(csv.DictReader(open(tmp_path / "resumed" / "consensus.csv")))
     assert [r["layer_step"] for r in resumed] == [r["layer_step"] for r in rows]

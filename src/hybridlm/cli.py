@@ -463,6 +463,31 @@ def report(path, out, states_path, otel):
     click.echo(f"wrote {written} ({written.stat().st_size / 1024:.0f} KiB, {kind} report)")
 
 
+def _ray_options(fn):
+    """--ray and --ray-address: where the shards of prompts or tasks run (hybridlm.distributed)."""
+    fn = click.option("--ray-address", default=None, metavar="ADDRESS",
+                      help="Run the shards as tasks of the Ray cluster at ADDRESS (host:port of its head node).")(fn)
+    fn = click.option("--ray", "use_ray", is_flag=True,
+                      help="Run the shards as Ray tasks: join the Ray instance running here, or start one.")(fn)
+    return fn
+
+
+def _on_ray(use_ray, ray_address, what: str, value) -> bool:
+    """Whether the command runs on Ray; a sharding option without it is an error."""
+    on_ray = bool(use_ray or ray_address)
+    if value is not None and not on_ray:
+        from hybridlm.errors import InputError
+
+        raise InputError(f"{what} {value} splits the work for Ray: add --ray or --ray-address ADDRESS")
+    return on_ray
+
+
+def _shard_done(run, result, done, total) -> None:
+    ran = result.ran
+    click.echo(f"  shard {done}/{total}: prompts {result.start}–{result.stop - 1} of {run.out.name}, "
+               f"{ran.get('compute_s', 0):.1f} s on node {str(ran.get('node', '?'))[:8]}", err=True)
+
+
 @cli.group("eval", cls=Group)
 def eval_group():
     """Built-in evaluations."""
@@ -473,16 +498,18 @@ def eval_group():
 @click.option("--n", "n", default=50, show_default=True, type=click.IntRange(min=1), help="Number of problems.")
 @click.option("--modes", default="tools,no-tools", show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the full report as JSON.")
-def eval_agent(model_spec, n, modes, out):
+@click.option("--shard-size", type=click.IntRange(min=1), default=None,
+              help="With Ray: problems per shard (a Ray task) [default: 5]. Finished shards are kept beside --out.")
+@_ray_options
+def eval_agent(model_spec, n, modes, out, shard_size, use_ray, ray_address):
     """Arithmetic word problems: accuracy with the calculator and without tools."""
-    from hybridlm.agent.evaluation import evaluate
+    from hybridlm.agent.evaluation import MODES, evaluate
     from hybridlm.errors import InputError
-    from hybridlm.weights.loading import load_model
 
     chosen = tuple(m.strip() for m in modes.split(","))
-    if not set(chosen) <= {"tools", "no-tools"}:
+    if not set(chosen) <= set(MODES):
         raise InputError(f"--modes {modes!r}: expected tools, no-tools or both")
-    model = load_model(model_spec)
+    on_ray = _on_ray(use_ray, ray_address, "--shard-size", shard_size)
     done = {"count": 0}
 
     def progress(mode, row):
@@ -490,7 +517,16 @@ def eval_agent(model_spec, n, modes, out):
         mark = "✓" if row["correct"] else "✗"
         click.echo(f"{mode:>8} {done['count']:>3} {mark} {row['expected']:>12} ← {row['answer'][:60]!r}", err=True)
 
-    report = evaluate(model, n=n, modes=chosen, progress=progress)
+    if on_ray:
+        from hybridlm.distributed import evaluate_sharded, open_pool
+
+        with open_pool(use_ray, ray_address) as pool:
+            report = evaluate_sharded(model_spec, pool=pool, n=n, modes=chosen, shard_size=shard_size or 5,
+                                      store=f"{out}.shards" if out else None, progress=progress)
+    else:
+        from hybridlm.weights.loading import load_model
+
+        report = evaluate(load_model(model_spec), n=n, modes=chosen, progress=progress)
     for mode, r in report["modes"].items():
         click.echo(f"{mode:>8}: accuracy {r['accuracy']:.0%} ({round(r['accuracy'] * n)}/{n}), "
                    f"mean jumps {r['mean_jumps']:.2f}, mean wall {r['mean_wall_s']:.2f} s, "
@@ -512,14 +548,21 @@ def eval_agent(model_spec, n, modes, out):
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, or auto (cuda when present).")
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Output folder (CSV, JSON, PNG, checkpoint).")
 @click.option("--table1", "sentence", default=None, help="Print Table 1: the sentence decoded after 1, 2, 4, 10 passes.")
-def consensus(model_spec, weights, attention_only, prompts, prompt_len, passes, seed, device, out, sentence):
+@click.option("--shard-prompts", type=click.IntRange(min=1), default=None,
+              help="With Ray: prompts per shard (a Ray task) [default: 8]; the numbers do not depend on it.")
+@_ray_options
+def consensus(model_spec, weights, attention_only, prompts, prompt_len, passes, seed, device, out, sentence,
+              shard_prompts, use_ray, ray_address):
     """Loop the blocks and measure consensus E(k) (survey eq. 0.45, Figs. 6–9, Table 1)."""
-    import torch
-
     from hybridlm.analysis.runner import ConsensusConfig, run_consensus
     from hybridlm.errors import InputError
 
-    if device == "auto":
+    on_ray = _on_ray(use_ray, ray_address, "--shard-prompts", shard_prompts)
+    if sentence is not None and on_ray:
+        raise InputError("--table1 runs one sentence in this process: drop --ray / --ray-address")
+    if device == "auto" and not on_ray:  # on Ray, the workers' GPUs decide
+        import torch
+
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if sentence is not None:
         from hybridlm.analysis.consensus import table1
@@ -538,11 +581,45 @@ def consensus(model_spec, weights, attention_only, prompts, prompt_len, passes, 
 
     cfg = ConsensusConfig(model=model_spec or DEFAULT_MODEL, weights=weights, attention_only=attention_only,
                           prompts=prompts, prompt_len=prompt_len, passes=passes, seed=seed)
-    summary = run_consensus(cfg, out, device=device)
+    if on_ray:
+        from hybridlm.distributed import open_pool, run_consensus_sharded
+
+        with open_pool(use_ray, ray_address, device=device) as pool:
+            summary = run_consensus_sharded(cfg, out, pool=pool, shard_prompts=shard_prompts or 8,
+                                            on_shard=_shard_done)
+    else:
+        summary = run_consensus(cfg, out, device=device)
     below = summary["first_layer_step_below_0.05"]
     click.echo(f"E: {summary['E_initial']:.4f} at k=0, {summary['E_after_first_pass']:.4f} after pass 1, "
                f"{summary['E_final']:.4f} after pass {passes} (k={summary['layer_steps']}); "
                f"first k with E < 0.05: {below if below is not None else 'never'}; wrote {out}")
+
+
+@cli.command()
+@click.argument("spec", type=click.Path(dir_okay=False, exists=True))
+@click.option("--out", type=click.Path(file_okay=False), required=True,
+              help="Output folder: runs/<name>/ (each as `consensus --out` writes it), figures/, sweep.json.")
+@click.option("--scale", default="survey", show_default=True,
+              help="survey: the spec as written; or a scale the spec defines (e.g. small, minutes on a laptop).")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, or auto (cuda where the workers have one).")
+@_ray_options
+def sweep(spec, out, scale, device, use_ray, ray_address):
+    """Run a grid of consensus runs from SPEC.yaml (e.g. the survey's Figs. 6–9); a restart resumes."""
+    from hybridlm.distributed import load_sweep, open_pool, run_sweep
+
+    plan = load_sweep(spec, scale)  # every mistake in the spec shows before any model loads
+
+    def on_run(run, summary, done, total):
+        below = summary["first_layer_step_below_0.05"]
+        click.echo(f"[{done}/{total}] {run.name}: E {summary['E_initial']:.4f} → {summary['E_final']:.4f} "
+                   f"(k={summary['layer_steps']}), first k with E < 0.05: {below if below is not None else 'never'}",
+                   err=True)
+
+    click.echo(f"{len(plan.runs)} runs at scale {plan.scale}", err=True)
+    with open_pool(use_ray, ray_address, device=device) as pool:
+        record = run_sweep(plan, out, pool, on_run=on_run, on_shard=_shard_done)
+    click.echo(f"{len(record['runs'])} runs in {record['wall_s']:.1f} s on {record['pool']['kind']}; "
+               f"figures: {', '.join(record['figures'].values()) or 'none'}; wrote {out}")
 
 
 @cli.command()

@@ -14,6 +14,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from hybridlm.errors import InputError
+
 TEMPLATES = [
     ("A warehouse has {a} boxes with {b} screws in each box. How many screws are there in total?", "{a} * {b}"),
     ("A library had {a} books and received {b} more. How many books does it have now?", "{a} + {b}"),
@@ -51,6 +53,8 @@ def problems(n: int = 50, seed: int = 2024) -> list[Problem]:
     return out
 
 
+MODES = ("tools", "no-tools")
+
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
@@ -69,26 +73,36 @@ def correct(answer_text: str, expected: int) -> bool:
     return value is not None and abs(value - expected) < 1e-6
 
 
-def evaluate(model, *, n: int = 50, modes=("tools", "no-tools"), seed: int = 0, progress=None) -> dict:
-    """Run the agent on the problems with the calculator and without tools; report accuracy."""
+def solve(model, mode: str, tasks: list[tuple[int, Problem]], *, seed: int = 0, progress=None) -> list[dict]:
+    """Rows of the problems `tasks` (index, problem) in one mode: "tools" (the calculator) or
+    "no-tools". Every arc starts its sampler from `seed` and the agent's fixed prompt prefix
+    is the same for all, so a row depends on its problem alone, not on the problems solved
+    before it in the same process: any split of the problems gives the same rows."""
     from hybridlm.agent.automaton import HybridAgent, Limits
     from hybridlm.agent.tools import ToolRegistry, registry
 
+    if mode not in MODES:
+        raise InputError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+    tools = registry(["calculator"]) if mode == "tools" else ToolRegistry()
+    agent = HybridAgent(model, tools, limits=Limits(max_token_steps=96), seed=seed)
+    rows = []
+    for index, problem in tasks:
+        t0 = time.perf_counter()
+        arc = agent.run(problem.question)
+        rows.append({
+            "index": index, "question": problem.question, "expected": problem.answer, "answer": arc.answer,
+            "correct": correct(arc.answer, problem.answer), "jumps": len(arc.jumps),
+            "wall_s": time.perf_counter() - t0, "token_steps": arc.token_steps,
+        })
+        if progress:
+            progress(mode, rows[-1])
+    return rows
+
+
+def summarize(n: int, rows_by_mode: dict[str, list[dict]]) -> dict:
+    """The report of `evaluate` from the rows of each mode, in problem order."""
     report: dict = {"n": n, "modes": {}}
-    for mode in modes:
-        tools = registry(["calculator"]) if mode == "tools" else ToolRegistry()
-        agent = HybridAgent(model, tools, limits=Limits(max_token_steps=96), seed=seed)
-        rows = []
-        for problem in problems(n):
-            t0 = time.perf_counter()
-            arc = agent.run(problem.question)
-            rows.append({
-                "question": problem.question, "expected": problem.answer, "answer": arc.answer,
-                "correct": correct(arc.answer, problem.answer), "jumps": len(arc.jumps),
-                "wall_s": time.perf_counter() - t0, "token_steps": arc.token_steps,
-            })
-            if progress:
-                progress(mode, rows[-1])
+    for mode, rows in rows_by_mode.items():
         report["modes"][mode] = {
             "accuracy": sum(r["correct"] for r in rows) / len(rows),
             "mean_jumps": statistics.mean(r["jumps"] for r in rows),
@@ -97,3 +111,9 @@ def evaluate(model, *, n: int = 50, modes=("tools", "no-tools"), seed: int = 0, 
             "rows": rows,
         }
     return report
+
+
+def evaluate(model, *, n: int = 50, modes=("tools", "no-tools"), seed: int = 0, progress=None) -> dict:
+    """Run the agent on the problems with the calculator and without tools; report accuracy."""
+    tasks = list(enumerate(problems(n)))
+    return summarize(n, {mode: solve(model, mode, tasks, seed=seed, progress=progress) for mode in modes})

@@ -8,6 +8,11 @@ Output folder:
 - `checkpoint.safetensors`: the token states after the last completed pass, so that an
   interrupted run continues from there (same command, same folder), and a finished run
   can be continued to more passes (same command with a larger --passes).
+
+The prompts are independent of each other: prompt i depends on (seed, i, prompt_len) only,
+and E of a prompt depends on that prompt only. So a run splits into shards of prompts
+(`consensus_shard`), which `merge_rows` joins into the rows the whole run writes; this is
+how `hybridlm.distributed` spreads a run over a cluster without changing a digit.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import csv
 import json
 import platform
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,6 +31,7 @@ from hybridlm.errors import InputError
 
 THRESHOLD = 0.05
 COLUMNS = ["layer_step", "pass", "layer", "E_mean", "E_std", "E_min", "E_max"]
+CHECKPOINT = "checkpoint.safetensors"
 
 
 @dataclass(frozen=True)
@@ -45,79 +51,179 @@ class ConsensusConfig:
             if getattr(self, name) < 1:
                 raise InputError(f"{name}={getattr(self, name)}: expected ≥ 1")
 
+    def same_run(self, other: dict) -> bool:
+        """Whether a saved configuration (a dict) is this run, up to the number of passes."""
+        mine = {k: v for k, v in asdict(self).items() if k != "passes"}
+        return {k: v for k, v in other.items() if k != "passes"} == mine
+
 
 def prepare_model(cfg: ConsensusConfig, device: str):
+    """The run's model: loaded, and re-drawn at random when the weights are not pretrained."""
     from hybridlm.analysis.consensus import reinit
     from hybridlm.weights.loading import load_model
 
     model = load_model(cfg.model, device=device)
-    if cfg.prompt_len > model.config.n_ctx:
-        raise InputError(f"--prompt-len {cfg.prompt_len} exceeds the model's horizon T={model.config.n_ctx}")
+    check_horizon(model, cfg)
     if cfg.weights != "pretrained":
         reinit(model, cfg.seed)
     return model
 
 
+def check_horizon(model, cfg: ConsensusConfig) -> None:
+    if cfg.prompt_len > model.config.n_ctx:
+        raise InputError(f"--prompt-len {cfg.prompt_len} exceeds the model's horizon T={model.config.n_ctx}")
+
+
+def prompt_ids(model, cfg: ConsensusConfig, start: int, stop: int) -> torch.Tensor:
+    """Prompts start..stop-1 of the run. The generator's stream is drawn row after row, so
+    prompt i is the same whatever the number of prompts drawn with it: a shard draws the
+    rows up to its last prompt and keeps its own."""
+    return random_prompts(model, stop, cfg.prompt_len, cfg.seed)[start:stop]
+
+
+def model_info(model) -> dict:
+    """What the summary says of the model (the worker that loaded it sends this along)."""
+    c = model.config
+    return {"model_source": model.source, "shape": {"L": c.n_layer, "d": c.d_model, "N_h": c.n_head, "family": c.family}}
+
+
+def layer_steps(model, cfg: ConsensusConfig, h: torch.Tensor, start_pass: int = 1):
+    """The run's loop from `start_pass` on: (LayerStep, h) after every block (see `looped`)."""
+    redraw = (lambda p: cfg.seed * 1_000_003 + p) if cfg.weights == "random-redrawn" else None
+    return looped(model, h, passes=cfg.passes, attention_only=cfg.attention_only, redraw_seed=redraw,
+                  start_pass=start_pass)
+
+
+def consensus_row(k: int, pass_: int, layer: int, E: torch.Tensor) -> dict:
+    """One CSV row: the statistics of E over the prompts after layer-step k. E is brought to
+    the CPU in float32 first, so that a whole batch and the joined shards of it reduce alike."""
+    E = E.detach().float().cpu().contiguous()
+    return {"layer_step": k, "pass": pass_, "layer": layer, "E_mean": E.mean().item(),
+            "E_std": E.std(unbiased=False).item(), "E_min": E.min().item(), "E_max": E.max().item()}
+
+
+# ---------------------------------------------------------------------- a local run
 def run_consensus(cfg: ConsensusConfig, out: str | Path, *, device: str = "cpu", progress: bool = True) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model = prepare_model(cfg, device)
+    info = model_info(model)
     L = model.config.n_layer
     h, start_pass = _resume(cfg, out, device)
     if h is None:
-        h = embed(model, random_prompts(model, cfg.prompts, cfg.prompt_len, cfg.seed))
-        _write_rows(out, [], fresh=True)
-    redraw = (lambda p: cfg.seed * 1_000_003 + p) if cfg.weights == "random-redrawn" else None
+        h = embed(model, prompt_ids(model, cfg, 0, cfg.prompts))
+        write_rows(out, [], fresh=True)
     bar = _bar(total=cfg.passes * L, done=(start_pass - 1) * L, enabled=progress)
     rows: list[dict] = []
-    for step, h in looped(model, h, passes=cfg.passes, attention_only=cfg.attention_only,
-                          redraw_seed=redraw, start_pass=start_pass):
-        E = step.E.float()
-        rows.append({"layer_step": step.k, "pass": step.pass_, "layer": step.layer,
-                     "E_mean": E.mean().item(), "E_std": E.std(unbiased=False).item(),
-                     "E_min": E.min().item(), "E_max": E.max().item()})
+    for step, h in layer_steps(model, cfg, h, start_pass):
+        rows.append(consensus_row(step.k, step.pass_, step.layer, step.E))
         if step.k:
             bar.update(1)
             bar.set_postfix(E=f"{rows[-1]['E_mean']:.4f}")
         if step.layer == L - 1:  # a pass is complete: persist it
-            _write_rows(out, rows)
+            write_rows(out, rows)
             rows = []
-            _checkpoint(out, cfg, h, step.pass_)
+            save_checkpoint(out, cfg, h, step.pass_, info)
     bar.close()
-    summary = _summary(cfg, out, model, device)
-    _plot(out, summary)
+    return finish(cfg, out, info, device)
+
+
+def finish(cfg: ConsensusConfig, out: Path, info: dict, device: str) -> dict:
+    """summary.json and consensus.png from the folder's CSV."""
+    summary = write_summary(cfg, out, info, device)
+    plot_run(out, summary)
     return summary
+
+
+# ---------------------------------------------------------------------- shards of prompts
+@dataclass
+class ShardResult:
+    """E of prompts start..stop-1 after each layer-step of a stretch of passes, and the states
+    after the last one (to continue the run later)."""
+
+    start: int
+    stop: int
+    steps: list[tuple[int, int, int]]  # (layer_step, pass, layer) of each row of E
+    E: torch.Tensor  # [steps, stop - start], float32 on the CPU
+    h: torch.Tensor  # [stop - start, n, d] after the last pass, on the CPU
+    info: dict  # model_info of the model that ran it
+    ran: dict = field(default_factory=dict)  # where and how long it ran (filled in by whoever ran it)
+
+
+def consensus_shard(cfg: ConsensusConfig, model, start: int, stop: int, *, h: torch.Tensor | None = None,
+                    start_pass: int = 1) -> ShardResult:
+    """Prompts start..stop-1 of the run through passes start_pass..cfg.passes: from their
+    embedding (h None, start_pass 1) or from the saved states h of pass start_pass - 1."""
+    check_horizon(model, cfg)
+    if h is None:
+        if start_pass != 1:
+            raise ValueError("a shard after pass 1 needs the states it continues from")
+        h = embed(model, prompt_ids(model, cfg, start, stop))
+    else:
+        h = h.to(model.W_e.device, model.W_e.dtype)
+    steps, E = [], []
+    for step, h in layer_steps(model, cfg, h, start_pass):
+        steps.append((step.k, step.pass_, step.layer))
+        E.append(step.E.detach().float().cpu())
+    E = torch.stack(E) if E else torch.empty(0, stop - start)
+    return ShardResult(start, stop, steps, E, h.detach().cpu(), model_info(model))
+
+
+def merge_rows(results: list[ShardResult]) -> list[dict]:
+    """The CSV rows of the prompts of all shards (given in prompt order, covering them once)."""
+    steps = results[0].steps
+    if any(r.steps != steps for r in results):
+        raise ValueError("shards of one run cover different layer-steps")
+    E = torch.cat([r.E for r in results], dim=1)
+    return [consensus_row(k, p, layer, E[j]) for j, (k, p, layer) in enumerate(steps)]
 
 
 # ---------------------------------------------------------------------- persistence
 def _resume(cfg: ConsensusConfig, out: Path, device: str):
+    saved = load_checkpoint(cfg, out)
+    if saved is None:
+        return None, 1
+    h, done = saved
+    write_rows(out, [r for r in read_rows(out) if int(r["pass"]) <= done], fresh=True)
+    return h.to(device), done + 1
+
+
+def load_checkpoint(cfg: ConsensusConfig, out: Path) -> tuple[torch.Tensor, int] | None:
+    """(states, passes done) of the run saved in `out`, None if none is; another run there is an error."""
     from safetensors import safe_open
 
-    ckpt = out / "checkpoint.safetensors"
+    ckpt = out / CHECKPOINT
     if not ckpt.exists():
-        return None, 1
+        return None
     with safe_open(str(ckpt), framework="pt") as f:
         meta = f.metadata()
-        h = f.get_tensor("h").to(device)
-    saved, done = json.loads(meta["config"]), int(meta["pass"])
-    same = {k: v for k, v in saved.items() if k != "passes"} == {k: v for k, v in asdict(cfg).items() if k != "passes"}
-    if not same or done > cfg.passes:
+        h = f.get_tensor("h")
+    done = int(meta["pass"])
+    if not cfg.same_run(json.loads(meta["config"])) or done > cfg.passes:
         raise InputError(f"{out} holds a run with another configuration ({meta['config']}, {done} passes done); "
                          "use another --out (a run may only be continued to more passes)")
-    rows = [r for r in _read_rows(out) if int(r["pass"]) <= done]
-    _write_rows(out, rows, fresh=True)
-    return h, done + 1
+    return h, done
 
 
-def _checkpoint(out: Path, cfg: ConsensusConfig, h: torch.Tensor, done: int) -> None:
+def save_checkpoint(out: Path, cfg: ConsensusConfig, h: torch.Tensor, done: int, info: dict) -> None:
     from safetensors.torch import save_file
 
-    tmp = out / "checkpoint.safetensors.tmp"
-    save_file({"h": h.detach().cpu().contiguous()}, str(tmp), metadata={"config": json.dumps(asdict(cfg)), "pass": str(done)})
-    tmp.replace(out / "checkpoint.safetensors")
+    tmp = out / (CHECKPOINT + ".tmp")
+    save_file({"h": h.detach().cpu().contiguous()}, str(tmp),
+              metadata={"config": json.dumps(asdict(cfg)), "pass": str(done), "model": json.dumps(info)})
+    tmp.replace(out / CHECKPOINT)
 
 
-def _read_rows(out: Path) -> list[dict]:
+def checkpoint_info(out: Path) -> dict | None:
+    """The model_info saved with the checkpoint (None for a checkpoint without it)."""
+    from safetensors import safe_open
+
+    with safe_open(str(out / CHECKPOINT), framework="pt") as f:
+        info = f.metadata().get("model")
+    return json.loads(info) if info else None
+
+
+def read_rows(out: Path) -> list[dict]:
     path = out / "consensus.csv"
     if not path.exists():
         return []
@@ -125,7 +231,7 @@ def _read_rows(out: Path) -> list[dict]:
         return list(csv.DictReader(fh))
 
 
-def _write_rows(out: Path, rows: list[dict], *, fresh: bool = False) -> None:
+def write_rows(out: Path, rows: list[dict], *, fresh: bool = False) -> None:
     path = out / "consensus.csv"
     with open(path, "w" if fresh else "a", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=COLUMNS)
@@ -134,15 +240,15 @@ def _write_rows(out: Path, rows: list[dict], *, fresh: bool = False) -> None:
         writer.writerows(rows)
 
 
-def _summary(cfg: ConsensusConfig, out: Path, model, device: str) -> dict:
-    rows = _read_rows(out)
+def write_summary(cfg: ConsensusConfig, out: Path, info: dict, device: str) -> dict:
+    rows = read_rows(out)
     E = [float(r["E_mean"]) for r in rows]
-    L = model.config.n_layer
+    L = info["shape"]["L"]
     below = first_below(E, THRESHOLD)
     summary = {
         "config": asdict(cfg),
-        "model_source": model.source,
-        "shape": {"L": L, "d": model.config.d_model, "N_h": model.config.n_head, "family": model.config.family},
+        "model_source": info["model_source"],
+        "shape": info["shape"],
         "layer_steps": len(E) - 1,
         "E_initial": E[0],
         "E_after_first_pass": E[L] if len(E) > L else None,
@@ -164,13 +270,13 @@ def _version() -> str:
         return "unknown"
 
 
-def _plot(out: Path, summary: dict) -> None:
+def plot_run(out: Path, summary: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = _read_rows(out)
+    rows = read_rows(out)
     k = [int(r["layer_step"]) for r in rows]
     mean = [float(r["E_mean"]) for r in rows]
     std = [float(r["E_std"]) for r in rows]
@@ -207,7 +313,7 @@ def plot_compare(runs: dict[str, str | Path], out: str | Path, *, title: str = "
 
     fig, ax = plt.subplots(figsize=(7, 3.6), dpi=120)
     for label, folder in runs.items():
-        rows = _read_rows(Path(folder))
+        rows = read_rows(Path(folder))
         if not rows:
             raise InputError(f"{folder} holds no consensus.csv: run `hybridlm consensus --out {folder}` first")
         ax.plot([int(r["layer_step"]) for r in rows], [float(r["E_mean"]) for r in rows], lw=1.3, label=label)
