@@ -96,6 +96,7 @@ def mutations(data: bytes) -> dict[str, bytes]:
         "tensor count": mutate(data, 8, "<Q", huge),
         "tensor n_dims": mutate(data, embd, "<I", 0xFFFF_FFFF),
         "tensor dim": mutate(data, embd + 4, "<Q", huge),
+        "tensor dim zero": mutate(data, embd + 4, "<Q", 0),
         "tensor dims overflow": mutate(mutate(data, embd + 4, "<Q", 1 << 62), embd + 12, "<Q", 1 << 62),
         "tensor type": mutate(data, embd + 4 + 16, "<I", 1000),
         "tensor offset": mutate(data, embd + 4 + 16 + 4, "<Q", huge),
@@ -135,7 +136,7 @@ def test_mutated_array_count_is_one_weights_error_quickly(good_gguf, tmp_path):
 
 MUTATIONS = [
     "string array count", "string array count 2^40", "int array count", "array element type", "value type",
-    "string length", "key length", "kv count", "tensor count", "tensor n_dims", "tensor dim", "tensor dims overflow",
+    "string length", "key length", "kv count", "tensor count", "tensor n_dims", "tensor dim", "tensor dim zero", "tensor dims overflow",
     "tensor type", "tensor offset", "tensor offset misaligned", "version"]
 
 

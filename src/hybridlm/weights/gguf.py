@@ -260,6 +260,14 @@ def weights_from_tensors(tensors, cfg: ModelConfig, *, progress: str | None = No
             fused[(layer, part)] = value
         else:
             raise WeightsError(f"tensor {name!r} has no place in a Llama model")
+    d_head = cfg.d_head
+    shapes = {"attn_q.weight": (cfg.n_head * d_head, cfg.d_model), "attn_k.weight": (cfg.n_kv_head * d_head, cfg.d_model),
+              "attn_v.weight": (cfg.n_kv_head * d_head, cfg.d_model), "ffn_gate.weight": (cfg.d_mlp, cfg.d_model),
+              "ffn_up.weight": (cfg.d_mlp, cfg.d_model)}
+    for (layer, part), value in fused.items():  # before they are permuted and stacked
+        if tuple(value.shape) != shapes[part]:
+            raise WeightsError(f"tensor blk.{layer}.{part} has shape {list(value.shape)}, the metadata imply "
+                               f"{list(shapes[part])}")
     for layer in range(cfg.n_layer):
         q, k, v = _pop_parts(fused, layer, QKV_TENSORS)
         q, k = unpermute_rotary(q, cfg.n_head), unpermute_rotary(k, cfg.n_kv_head)

@@ -212,6 +212,8 @@ def _tensor(header: Header, name: str, dims: tuple[int, ...], raw_kind: int, off
         block, block_bytes = GGML_QUANT_SIZES[kind]
     except (ValueError, KeyError):
         raise WeightsError(f"{origin}: tensor {name!r} has ggml type {raw_kind}, which GGUF does not define") from None
+    if 0 in dims:
+        raise WeightsError(f"{origin}: tensor {name!r} has shape {list(reversed(dims))}: a dimension of 0 holds no weights")
     if dims[0] % block:
         raise WeightsError(f"{origin}: tensor {name!r}: its rows of {dims[0]} are not whole {kind.name} blocks of {block}")
     n_bytes = math.prod(dims) // block * block_bytes  # exact integers: no overflow to hide an extent
