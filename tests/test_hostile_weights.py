@@ -189,13 +189,13 @@ def test_header_reader_agrees_with_gguf_on_the_default_model():
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=8))
-def test_random_byte_damage_is_weights_error_or_loads(good_gguf, tmp_path, damage):
+def test_random_byte_damage_is_weights_error_or_loads(good_gguf, tmp_path, monkeypatch, damage):
     data = bytearray(good_gguf)
     for at, value in damage:
         data[at % len(data)] = value
     path = tmp_path / "damaged.gguf"
     path.write_bytes(bytes(data))
-    os.environ["HYBRIDLM_CACHE"] = str(tmp_path / "cache")
+    monkeypatch.setenv("HYBRIDLM_CACHE", str(tmp_path / "cache"))
     try:
         load_gguf_model(path)
     except WeightsError as exc:

@@ -340,7 +340,8 @@ def check_safetensors_header(path: Path) -> dict[str, dict]:
         if not ints(shape) or len(shape) > 8:
             raise WeightsError(f"{where}: shape {str(shape)[:40]} is not a list of at most 8 integers ≥ 0")
         if not ints(offsets) or len(offsets) != 2 or not offsets[0] <= offsets[1] <= data:
-            raise WeightsError(f"{where}: data_offsets {str(offsets)[:60]} do not lie within the {data:,} bytes of data")
+            raise WeightsError(f"{where}: data_offsets {str(offsets)[:60]} do not lie within the {data:,} bytes of data; "
+                               "is the file truncated or corrupt?")
         if offsets[1] - offsets[0] != math.prod(shape) * SAFETENSORS_DTYPES[dtype]:
             raise WeightsError(f"{where}: data_offsets span {offsets[1] - offsets[0]:,} bytes, shape {shape} of "
                                f"{dtype} needs {math.prod(shape) * SAFETENSORS_DTYPES[dtype]:,}")
