@@ -32,7 +32,13 @@ def truncate(s: Tokens, T: int) -> list[int]:
 
 def check_tokens(s: Tokens, V: int) -> torch.Tensor:
     """Return s as a LongTensor after checking it is a non-empty string over [0, V)."""
-    ids = torch.as_tensor(s if isinstance(s, torch.Tensor) else list(s), dtype=torch.long)
+    if not isinstance(s, torch.Tensor):
+        s = list(s)
+        # Python integers first: one past the int64 range would make torch raise its own overflow error
+        bad = next((i for i in s if isinstance(i, int) and not 0 <= i < V), None)
+        if bad is not None:
+            raise InputError(f"token id {bad} is outside the alphabet: expected 0 ≤ id < V = {V}")
+    ids = torch.as_tensor(s, dtype=torch.long)
     if ids.numel() == 0 or ids.shape[-1] == 0:
         raise InputError("empty prompt: the context s must hold at least one token")
     bad = (ids < 0) | (ids >= V)

@@ -19,15 +19,80 @@ from hybridlm.errors import HybridLMError
 class BadInput(click.ClickException):
     exit_code = 2
 
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))  # one line, whatever the message held
+
 
 class Group(click.Group):
-    """Turns hybridlm's input errors into exit code 2 with the error's own message."""
+    """Turns hybridlm's input errors, and click's usage errors of the subcommands, into one line
+    and exit code 2."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except HybridLMError as exc:
             raise BadInput(str(exc)) from None
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
+            raise BadInput(f"{exc.format_message()} (see '{where} --help')") from None
+
+
+class Seed(click.ParamType):
+    """A seed of the sampler: an integer in [0, 2⁶⁴), the range of torch.Generator.manual_seed."""
+
+    name = "seed"
+    MAX = 2**64 - 1
+
+    def convert(self, value, param, ctx):
+        try:
+            seed = value if isinstance(value, int) else int(str(value).strip())
+        except ValueError:
+            self.fail(f"{str(value)[:40]!r}: expected an integer 0 ≤ seed ≤ 2^64 − 1", param, ctx)
+        if not 0 <= seed <= self.MAX:
+            self.fail(f"{str(seed)[:40]}: expected an integer 0 ≤ seed ≤ 2^64 − 1 = {self.MAX}", param, ctx)
+        return seed
+
+
+class Text(click.ParamType):
+    """Text that must be valid UTF-8 (the shell hands undecodable bytes over as lone surrogates)."""
+
+    name = "text"
+
+    def convert(self, value, param, ctx):
+        value = str(value)
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            char = value[exc.start]
+            byte = f"byte 0x{ord(char) - 0xDC00:02x}" if 0xDC80 <= ord(char) <= 0xDCFF else f"U+{ord(char):04X}"
+            self.fail(f"not valid UTF-8 text: {byte} at character {exc.start}", param, ctx)
+        return value
+
+
+class OutputFile(click.ParamType):
+    """A file to write: its folder must exist and be a writable folder, the path no folder itself.
+    Checked when the command line is read, before any model loads."""
+
+    name = "file"
+
+    def convert(self, value, param, ctx):
+        import os
+        from pathlib import Path
+
+        path = Path(value).expanduser()
+        parent = path.parent
+        if path.is_dir():
+            self.fail(f"{path} is a directory, expected a file path", param, ctx)
+        if not parent.exists():
+            self.fail(f"directory {parent} does not exist", param, ctx)
+        if not parent.is_dir():
+            self.fail(f"{parent} is not a directory, so {path.name} cannot be written under it", param, ctx)
+        if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            self.fail(f"{path} cannot be written (permission denied)", param, ctx)
+        return str(value)
+
+
+SEED, TEXT, OUTPUT_FILE = Seed(), Text(), OutputFile()
 
 
 @click.group(cls=Group)
@@ -44,7 +109,7 @@ def _control_options(fn):
                       help="Layer ℓ of H⁽ℓ⁾ the vector is added to (0 = embedding) [default: the file's].")(fn)
     fn = click.option("--steer", type=click.Path(dir_okay=False), default=None,
                       help="Steering vector file (from `hybridlm steer build`): adds α v to the residual stream.")(fn)
-    fn = click.option("--ban", default=None,
+    fn = click.option("--ban", default=None, type=TEXT,
                       help="Comma-separated words the text must never contain (a control-barrier safety filter).")(fn)
     return fn
 
@@ -92,14 +157,14 @@ MODEL_HELP = "Model: a name (smollm2-135m, gpt2, random:gpt2, ...), a hub-layout
 
 
 @cli.command()
-@click.argument("prompt")
+@click.argument("prompt", type=TEXT)
 @click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
 @click.option("--max-new-tokens", "-n", default=64, show_default=True, type=click.IntRange(min=0))
 @click.option("--greedy", is_flag=True, help="Greedy decoding (the limit τ → 0).")
 @click.option("--temperature", "-t", type=float, default=None, help="Temperature τ > 0 [default: 1].")
 @click.option("--top-k", type=int, default=None, help="Keep the K most likely tokens (K ≥ 1).")
 @click.option("--top-p", type=float, default=None, help="Nucleus: keep the smallest set of mass ≥ P, P in (0, 1].")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the sampler (and of random weights).")
+@click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of the sampler (and of random weights).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template; stop at end of turn.")
 @click.option("--ids", "as_ids", is_flag=True, help="PROMPT is a list of token ids (comma or space separated).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
@@ -200,7 +265,7 @@ def _plant_options(fn):
 
 
 @cli.command()
-@click.argument("task")
+@click.argument("task", type=TEXT)
 @click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
 @click.option("--tools", default=None,
               help="Comma-separated: calculator, clock, lookup; none for only the MCP servers' or the plant's tools "
@@ -212,8 +277,8 @@ def _plant_options(fn):
 @click.option("--max-new-tokens", "-n", default=None, type=click.IntRange(min=1),
               help="Token budget of the whole arc [default: 160; per decision with --plant: 40].")
 @click.option("--temperature", "-t", type=float, default=None, help="Sample at τ > 0 (default: greedy).")
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--seed", default=0, show_default=True, type=SEED)
+@click.option("--trace", "trace_path", type=OUTPUT_FILE, default=None,
               help="Write the hybrid arc to this JSONL file as it happens [with --plant: default PLANT-arc.jsonl].")
 @click.option("--states", is_flag=True, help="With --trace: also save the final-layer state of each token (safetensors).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -331,10 +396,10 @@ def steer():
 
 @steer.command("build")
 @click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
-@click.option("--pos", "positive", multiple=True, required=True, help="A prompt of the positive set (repeat).")
-@click.option("--neg", "negative", multiple=True, required=True, help="A prompt of the negative set (repeat).")
+@click.option("--pos", "positive", multiple=True, required=True, type=TEXT, help="A prompt of the positive set (repeat).")
+@click.option("--neg", "negative", multiple=True, required=True, type=TEXT, help="A prompt of the negative set (repeat).")
 @click.option("--layer", type=int, required=True, help="Layer ℓ of H⁽ℓ⁾ (0 = embedding, L = after the last block).")
-@click.option("--out", type=click.Path(dir_okay=False), required=True, help="Output file (.safetensors).")
+@click.option("--out", type=OUTPUT_FILE, required=True, help="Output file (.safetensors).")
 def steer_build(model_spec, positive, negative, layer, out):
     """v = mean H⁽ℓ⁾ over the --pos prompts − mean over the --neg prompts; save it to OUT."""
     from hybridlm.control import contrast_vector
@@ -362,7 +427,7 @@ def steer_build(model_spec, positive, negative, layer, out):
 @click.option("--no-references", is_flag=True, help="Skip transformers and llama.cpp.")
 @click.option("--device", default=None, help="cpu or cuda [default: cuda when present].")
 @click.option("--quick", is_flag=True, help="A smoke run: 1 repeat, 16 new tokens, short contexts.")
-@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the figures as JSON here.")
+@click.option("--out", type=OUTPUT_FILE, default=None, help="Write the figures as JSON here.")
 def bench(model_spec, threads, repeats, new_tokens, prompt_tokens, prefill_tokens, contexts, precisions, batch,
           sections, no_references, device, quick, out):
     """Speed beside the references (transformers, llama.cpp), in one process: a table and JSON."""
@@ -425,6 +490,7 @@ def trace_replay(file, model_spec):
     from hybridlm.agent import replay
     from hybridlm.weights.loading import load_model
 
+    _check_replayable(file)  # the whole trace, before the model loads
     arc, same, first = replay(file, load_model(model_spec))
     if same:
         click.echo(f"identical: {arc.token_steps} token steps, {len(arc.jumps)} jumps reproduced")
@@ -488,6 +554,29 @@ def _shard_done(run, result, done, total) -> None:
                f"{ran.get('compute_s', 0):.1f} s on node {str(ran.get('node', '?'))[:8]}", err=True)
 
 
+def _check_replayable(file) -> None:
+    """Every event valid, and a start event replay can rebuild the run from (its kernel and limits built)."""
+    import dataclasses
+
+    from hybridlm.agent import Limits
+    from hybridlm.agent.trace import check_event, iter_trace
+    from hybridlm.engine.sampling import Kernel
+    from hybridlm.errors import InputError
+
+    start = next((e for e in iter_trace(file) if e["event"] == "start"), None)
+    for _ in iter_trace(file):  # the rest of the file too: replay reads it all
+        pass
+    if start is None:
+        raise InputError(f"{file}: no start event, cannot replay")
+    check_event(start, f"{file}: start event", "replayable_start")
+    for field, cls in (("kernel", Kernel), ("limits", Limits)):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(start[field]) - known)
+        if unknown:
+            raise InputError(f"{file}: start event: field '{field}' has {unknown[0]!r}, expected some of {sorted(known)}")
+        cls(**start[field])  # its own checks raise InputError naming the value
+
+
 @cli.group("eval", cls=Group)
 def eval_group():
     """Built-in evaluations."""
@@ -497,7 +586,7 @@ def eval_group():
 @click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
 @click.option("--n", "n", default=50, show_default=True, type=click.IntRange(min=1), help="Number of problems.")
 @click.option("--modes", default="tools,no-tools", show_default=True)
-@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the full report as JSON.")
+@click.option("--out", type=OUTPUT_FILE, default=None, help="Write the full report as JSON.")
 @click.option("--shard-size", type=click.IntRange(min=1), default=None,
               help="With Ray: problems per shard (a Ray task) [default: 5]. Finished shards are kept beside --out.")
 @_ray_options
@@ -544,10 +633,10 @@ def eval_agent(model_spec, n, modes, out, shard_size, use_ray, ray_address):
 @click.option("--prompts", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--prompt-len", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--passes", default=20, show_default=True, type=click.IntRange(min=1))
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=SEED)
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, or auto (cuda when present).")
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Output folder (CSV, JSON, PNG, checkpoint).")
-@click.option("--table1", "sentence", default=None, help="Print Table 1: the sentence decoded after 1, 2, 4, 10 passes.")
+@click.option("--table1", "sentence", default=None, type=TEXT, help="Print Table 1: the sentence decoded after 1, 2, 4, 10 passes.")
 @click.option("--shard-prompts", type=click.IntRange(min=1), default=None,
               help="With Ray: prompts per shard (a Ray task) [default: 8]; the numbers do not depend on it.")
 @_ray_options
@@ -671,7 +760,7 @@ def _survey_table(rows: list[tuple[str, str]], out) -> None:
 @click.option("--samples", default=16, show_default=True, type=int)
 @click.option("--steps", default=300, show_default=True, type=int, help="Gradient-descent steps (0.32).")
 @click.option("--lr", default=0.5, show_default=True, type=float, help="Step size η of (0.32).")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=SEED)
 def survey_adjoint(out, depth, width, samples, steps, lr, seed):
     """Backpropagation as a discrete adjoint (0.24)–(0.34) and the costate (0.37)."""
     from hybridlm.optimal.runs import run_adjoint
@@ -691,7 +780,7 @@ def survey_adjoint(out, depth, width, samples, steps, lr, seed):
 @click.option("--samples", default=8, show_default=True, type=int)
 @click.option("--kind", type=click.Choice(["affine", "sinusoid"]), default="affine", show_default=True,
               help="W(t) = W0 + t W1, or W0 + sin(2πt) W1.")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=SEED)
 def survey_euler(out, depths, width, samples, kind, seed):
     """ResNets as Euler discretisations: error (0.21) vs depth and log-log slopes."""
     from hybridlm.optimal.runs import run_euler
@@ -707,7 +796,7 @@ def survey_euler(out, depths, width, samples, kind, seed):
 @click.option("--samples", default=12, show_default=True, type=int)
 @click.option("--steps", default=300, show_default=True, type=int, help="Adam steps per depth.")
 @click.option("--lr", default=0.05, show_default=True, type=float)
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=SEED)
 def survey_memorise(out, depths, samples, steps, lr, seed):
     """Memorisation as simultaneous control: one input steers all samples; error vs depth."""
     from hybridlm.optimal.runs import run_memorise
@@ -722,7 +811,7 @@ def survey_memorise(out, depths, samples, steps, lr, seed):
 @click.option("--steps", default=150, show_default=True, type=int, help="Adam steps.")
 @click.option("--samples", default=64, show_default=True, type=int)
 @click.option("--lr", default=0.02, show_default=True, type=float)
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=SEED)
 def survey_neural_ode(out, steps, samples, lr, seed):
     """A Neural ODE trained with torchdiffeq's adjoint solver; adjoint vs autograd gradient."""
     from hybridlm.optimal.runs import run_neural_ode

@@ -14,23 +14,68 @@ Events (every one carries the hybrid time (t, k) and the wall time `wall_s`):
 The engine's `TraceWriter` (hybridlm.engine.trace) writes each line as it happens, so a run
 killed at any moment leaves a file whose every line parses; optional tensors (the
 final-layer state of each token) go to a safetensors file beside it. This module reads
-traces back and prints them.
+traces back and prints them. The format is published as a JSON Schema, `trace.schema.json`
+beside this module; the reader checks every event against it (unknown fields and event kinds
+are allowed; t, k and wall_s never are missing).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+
 from hybridlm.engine.trace import NullTrace, TraceWriter  # noqa: F401 - the writer is an observer of the engine
 from hybridlm.errors import InputError
 
 
+SCHEMA_PATH = Path(__file__).with_name("trace.schema.json")
+MAX_LINE_BYTES = 16 << 20  # one event; a jump's observation is capped far below this
+
+
+@functools.cache
+def schema() -> dict:
+    """The trace format as a JSON Schema (draft 2020-12), published beside this module."""
+    return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+
+
+@functools.cache
+def _validator(definition: str | None = None) -> jsonschema.protocols.Validator:
+    """A validator for a whole event (None) or for one of the schema's $defs, refs resolved in the schema."""
+    root = schema()
+    cls = jsonschema.validators.validator_for(root)
+    target = root if definition is None else {"$ref": f"#/$defs/{definition}", "$defs": root["$defs"]}
+    return cls(target)
+
+
+def check_event(event: Any, where: str, definition: str | None = None) -> dict:
+    """`event` against the schema (or one of its $defs); an InputError naming `where` and the field."""
+    if not isinstance(event, dict):
+        raise InputError(f"{where}: a trace event is a JSON object, got a JSON {type(event).__name__}")
+    error = jsonschema.exceptions.best_match(_validator(definition).iter_errors(event))
+    if error is not None:
+        field = "/".join(str(p) for p in error.absolute_path)
+        at = f"field '{field}'" if field else f"event {event.get('event')!r}"
+        raise InputError(f"{where}: {at}: {_short(error.message)}")
+    return event
+
+
+def _short(text: str, limit: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + " …"
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def read_trace(path: str | os.PathLike) -> list[dict]:
-    """All events of a trace file; a malformed line is an error naming its number."""
+    """All events of a trace file, each checked against the schema; the error names line and field."""
     return list(iter_trace(path))
 
 
@@ -38,17 +83,27 @@ def iter_trace(path: str | os.PathLike) -> Iterator[dict]:
     p = Path(path)
     if not p.is_file():
         raise InputError(f"no trace file at {p}")
-    with open(p, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
+    with open(p, "rb") as fh:
+        number = 0
+        while True:
+            raw = fh.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                return
+            number += 1
+            where = f"{p}:{number}:"
+            if len(raw) > MAX_LINE_BYTES:
+                raise InputError(f"{where} a line longer than {MAX_LINE_BYTES:,} bytes is not a trace event")
+            if not raw.strip():
                 continue
             try:
-                event = json.loads(line)
+                event = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+            except UnicodeDecodeError as exc:
+                raise InputError(f"{where} not UTF-8 text ({exc.reason} at byte {exc.start}): not a trace") from None
+            except RecursionError:
+                raise InputError(f"{where} JSON nested too deep to be a trace event") from None
             except ValueError as exc:
-                raise InputError(f"{p}:{number}: not a JSON line ({exc})") from None
-            if not isinstance(event, dict) or "event" not in event:
-                raise InputError(f"{p}:{number}: not a trace event")
-            yield event
+                raise InputError(f"{where} not a JSON line ({_short(str(exc))})") from None
+            yield check_event(event, where)
 
 
 def format_timeline(events: list[dict], *, tokens: bool = False) -> str:
@@ -63,7 +118,7 @@ def format_timeline(events: list[dict], *, tokens: bool = False) -> str:
 
     for e in events:
         kind = e["event"]
-        stamp = f"t={e.get('t', 0):<4} k={e.get('k', 0):<2} {e.get('wall_s', 0.0):7.2f}s"
+        stamp = f"t={e.get('t', 0):<4} k={e.get('k', 0):<2} {_seconds(e.get('wall_s'), 7, 2)}s"
         if kind == "token":
             if tokens:
                 lines.append(f"{stamp} │   token {e['token']:>6} {e['text']!r}")
@@ -75,15 +130,15 @@ def format_timeline(events: list[dict], *, tokens: bool = False) -> str:
             lines.append(f"{stamp} │ {e['mode']} {e['phase']}{extra}")
         elif kind == "control" and (tokens or e.get("no_safe_token")):
             flush_text()
-            mass = f" removed mass {e['removed_mass']:.3f}" if e.get("removed_mass") is not None else ""
+            mass = f" removed mass {_seconds(e['removed_mass'], 0, 3)}" if e.get("removed_mass") is not None else ""
             empty = f"; no safe token → {e.get('action')}" if e.get("no_safe_token") else ""
             lines.append(f"{stamp} │   control {e['controller']}{mass}{empty}")
         elif kind == "jump":
             flush_text()
             status = f"error={e['error']}" if e.get("error") else "ok"
             lines.append(
-                f"{stamp} │ JUMP {e['k']}: {e['tool']}({json.dumps(e['arguments'])}) → "
-                f"{e['observation'][:80]!r} [{status}, {e['duration_s']:.3f}s]"
+                f"{stamp} │ JUMP {e['k']}: {e['tool']}({json.dumps(e['arguments'])[:200]}) → "
+                f"{e['observation'][:80]!r} [{status}, {_seconds(e['duration_s'], 0, 3)}s]"
             )
         elif kind == "start":
             lines.append(f"{stamp} │ start: {e.get('task')!r} model={e.get('model')} seed={e.get('seed')}")
@@ -91,7 +146,15 @@ def format_timeline(events: list[dict], *, tokens: bool = False) -> str:
             flush_text()
             lines.append(
                 f"{stamp} │ end ({e.get('stop_reason')}): {e.get('answer')!r}; "
-                f"q_G {e.get('wall_generate_s', 0):.2f}s, q_E {e.get('wall_external_s', 0):.2f}s"
+                f"q_G {_seconds(e.get('wall_generate_s'), 0, 2)}s, q_E {_seconds(e.get('wall_external_s'), 0, 2)}s"
             )
     flush_text()
     return "\n".join(lines)
+
+
+def _seconds(value: Any, width: int, places: int) -> str:
+    """A number as fixed-point text; one too large for a float (the schema allows any integer) as text."""
+    try:
+        return f"{float(value or 0):{width}.{places}f}"
+    except (OverflowError, TypeError, ValueError):
+        return str(value)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,11 @@ NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
 MLPS = ("gelu", "swiglu")
 ATTENTION_TYPES = ("global", "local")
+#: Upper bounds on the sizes, far above any published decoder (Llama 3.1 405B: V = 128,256,
+#: d = 16,384, L = 126, d_mlp = 53,248; the longest contexts ~2²⁰): a config past them is an
+#: error, not a request to allocate (the rotary tables alone are T × d_k floats).
+MAX_SIZES = {"vocab_size": 1 << 22, "n_ctx": 1 << 20, "d_model": 1 << 16, "n_layer": 1 << 12,
+             "n_head": 1 << 12, "n_kv_head": 1 << 12, "d_mlp": 1 << 18}
 
 
 @dataclass(frozen=True)
@@ -89,11 +95,25 @@ class ModelConfig:
         return None
 
     def validate(self) -> None:
-        positive = ("vocab_size", "n_ctx", "d_model", "n_layer", "n_head", "n_kv_head", "d_mlp")
-        for name in positive:
+        if not isinstance(self.family, str):
+            raise ConfigError(f"config field family={self.family!r}: expected a string")
+        for name, bound in MAX_SIZES.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"config field {name}={value!r}: expected a positive integer")
+            if value > bound:
+                raise ConfigError(f"config field {name}={value:,}: hybridlm supports at most {bound:,}")
+        for name in ("norm_eps", "rope_theta", "init_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"config field {name}={value!r}: expected a finite number ≥ 0")
+        for name in ("attn_bias", "attn_out_bias", "mlp_bias", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"config field {name}={getattr(self, name)!r}: expected true or false")
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ConfigError(f"config field {name}={value!r}: expected a token id (an integer ≥ 0) or null")
         if self.d_model % self.n_head:
             raise ConfigError(
                 f"d_model={self.d_model} is not divisible by n_head={self.n_head}: "
@@ -111,9 +131,11 @@ class ModelConfig:
             raise ConfigError(f"mlp={self.mlp!r}: expected one of {MLPS}")
         if self.positions == "rotary" and self.d_head % 2:
             raise ConfigError(f"rotary positions need an even head size, got d_k={self.d_head}")
-        if not self.norm_eps > 0:
-            raise ConfigError(f"norm_eps={self.norm_eps!r}: expected a positive number")
-        if self.attn_scale is not None and not (isinstance(self.attn_scale, (int, float)) and self.attn_scale > 0):
+        if not self.norm_eps > 0 or not self.rope_theta > 0:
+            raise ConfigError(f"norm_eps={self.norm_eps!r}, rope_theta={self.rope_theta!r}: expected positive numbers")
+        scale = self.attn_scale
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not math.isfinite(scale) or scale <= 0):
             raise ConfigError(f"attn_scale={self.attn_scale!r}: expected a positive number, or None for 1/√d_k")
         if isinstance(self.local_window, bool) or not isinstance(self.local_window, int) or self.local_window < 1:
             raise ConfigError(f"local_window={self.local_window!r}: expected a positive integer")
@@ -144,6 +166,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(data, dict):
+            raise ConfigError(f"a model config is a JSON object of fields, got a {type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:

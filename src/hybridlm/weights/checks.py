@@ -1,5 +1,11 @@
 """The one check every weight source passes: the tensors it read fit the model its config
-implies, name by name and shape by shape, before they are copied in."""
+implies, name by name and shape by shape, before they are copied in.
+
+The check runs before the model is allocated: the blocks the config names must all be in the
+file, and the expected shapes come from a skeleton of the model on PyTorch's "meta" device
+(shapes without storage), so a config that claims sizes the file does not hold (a 4 KB file
+"with" 2²¹ × 2¹⁶ embeddings) costs nothing.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +21,15 @@ Weights = dict[str, torch.Tensor]  # a state dict of `DecoderLM`
 
 def assemble(cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None, *, origin: str) -> DecoderLM:
     """`DecoderLM(cfg)` holding `weights` (checked name by name and shape by shape)."""
-    model = DecoderLM(cfg)
-    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    present = {int(name.split(".")[1]) for name in weights
+               if name.startswith("blocks.") and name.split(".")[1].isdigit()}
+    absent = [layer for layer in range(cfg.n_layer) if layer not in present]
+    if absent:
+        raise WeightsError(f"{origin}: the config names {cfg.n_layer} blocks, the file holds no tensor of block "
+                           f"{absent[0]}{f' (nor of {len(absent) - 1} more)' if len(absent) > 1 else ''}")
+    with torch.device("meta"):
+        skeleton = DecoderLM(cfg)
+    expected = {name: tuple(p.shape) for name, p in skeleton.state_dict().items()}
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
     if missing or unexpected:
@@ -27,6 +40,7 @@ def assemble(cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None, *,
         if tuple(weights[name].shape) != shape:
             found = tuple(weights[name].shape)
             raise WeightsError(f"{origin}: {name} has shape {found}, the config implies {shape}")
+    model = DecoderLM(cfg)
     # Copy into the model's own (anonymous, aligned) memory rather than assigning the
     # tensors: weights left on a file mapping stream several times slower in a decode step.
     model.load_state_dict(weights, strict=True)

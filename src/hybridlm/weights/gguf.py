@@ -3,8 +3,9 @@
 A GGUF file holds metadata (sizes, vocabulary, merges, chat template) and tensors, most
 of them quantised in blocks: Q8_0 stores x = d·q (8-bit q, one scale d per 32 numbers),
 Q4_0 x = d·(q − 8), Q4_1 x = d·q + m (4-bit q, scale d and offset m per 32), the K-quants
-super-blocks of 256. `load_gguf_model` reads the file with the `gguf` package, turns
-every tensor into float32 with `gguf.quants.dequantize`, renames llama.cpp's tensors to
+super-blocks of 256. `load_gguf_model` reads the header with `gguf_header` (every count
+bounded by the file's size, every metadata key type-checked), turns every tensor into
+float32 with `gguf.quants.dequantize`, renames llama.cpp's tensors to
 the parameters of `DecoderLM` and builds the model of SPEC.md §2 with the Llama parts:
 RMSNorm, rotary positions, grouped-query attention, SwiGLU, tied embeddings.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import sys
 import warnings
@@ -37,6 +39,7 @@ from hybridlm.cache import atomic_write, cache_root, read_json
 from hybridlm.errors import HybridLMError, ModelNotFoundError, WeightsError
 from hybridlm.lm.model import DecoderLM
 from hybridlm.weights.checks import Weights, assemble
+from hybridlm.weights.gguf_header import TensorInfo, read_header
 from hybridlm.tokenizer import Tokenizer, byte_level_bpe
 
 
@@ -117,120 +120,114 @@ def load_gguf_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
 def read_gguf(path: Path, *, progress: str | None = None) -> tuple[ModelConfig, Weights, Tokenizer | None]:
     """Config, float32 weights (our names, HF Llama layout) and tokenizer of a GGUF file.
 
-    `progress` (a description) shows a progress bar on stderr while the tensors are dequantised.
+    The header is read by `gguf_header.read_header`, which bounds every count by the file's
+    size; the metadata are then type-checked key by key. `progress` (a description) shows a
+    progress bar on stderr while the tensors are dequantised.
     """
-    reader = open_reader(path)
+    header = read_header(path)
+    meta = header.metadata
     try:
-        meta = {name: field_value(field) for name, field in reader.fields.items()}
-    except (ValueError, IndexError, UnicodeDecodeError) as exc:
-        raise WeightsError(f"{path.name}: corrupt GGUF metadata ({exc})") from None
-    cfg = config_from_metadata(meta, {t.name for t in reader.tensors}, origin=path.name)
-    try:
-        weights = weights_from_tensors(reader.tensors, cfg, progress=progress)
-        tokenizer = tokenizer_from_metadata(meta, name=path.stem)
+        cfg = config_from_metadata(meta, {t.name for t in header.tensors}, origin=path.name)
+        tokenizer = tokenizer_from_metadata(meta, name=path.stem, vocab_size=cfg.vocab_size)
+        weights = weights_from_tensors(header.tensors, cfg, progress=progress)
     except WeightsError as exc:
-        raise WeightsError(f"{path.name}: {exc}") from None
+        message = str(exc)
+        raise WeightsError(message if message.startswith(path.name) else f"{path.name}: {message}") from None
     return cfg, weights, tokenizer
 
 
-def open_reader(path: Path):
-    """`gguf.GGUFReader` on the file, with every way it fails on a bad file turned into WeightsError."""
-    import gguf
-
-    size = path.stat().st_size
-    try:
-        reader = gguf.GGUFReader(path)
-    except OSError as exc:
-        raise WeightsError(f"{path.name}: cannot read the file ({exc})") from None
-    except Exception as exc:  # the reader raises ValueError, KeyError, IndexError, ... on bad bytes
-        raise WeightsError(
-            f"{path.name} ({size:,} bytes) is not a readable GGUF file: truncated or corrupt "
-            f"({type(exc).__name__}: {exc})"
-        ) from None
-    if getattr(reader, "byte_order", "I") != "I":
-        raise WeightsError(f"{path.name} is a big-endian GGUF file; hybridlm reads little-endian files only")
-    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
-    if end > size:
-        raise WeightsError(
-            f"{path.name} is truncated: its tensors end at byte {end:,}, the file has {size:,} bytes"
-        )
-    return reader
+_MISSING = object()
 
 
-def field_value(field) -> Any:
-    """The Python value of a GGUF metadata field: a number, a string, or a list of them."""
-    from gguf import GGUFValueType
-
-    def scalar(part, kind):
-        return bytes(part).decode("utf-8") if kind == GGUFValueType.STRING else part.tolist()[0]
-
-    if field.types[0] == GGUFValueType.ARRAY:
-        kind = field.types[-1]
-        if kind == GGUFValueType.ARRAY:
-            return None  # nested arrays: no key hybridlm reads has them
-        return [scalar(field.parts[i], kind) for i in field.data]
-    return scalar(field.parts[field.data[0]], field.types[0])
+def meta_value(meta: dict[str, Any], key: str, kind: str, default: Any = _MISSING) -> Any:
+    """meta[key] checked to be of `kind`: "int" (not bool), "number" (finite), "str", "str list", "int list"."""
+    value = meta.get(key, default)
+    if value is _MISSING:
+        raise WeightsError(f"metadata key '{key}' is missing")
+    if value is default:
+        return value
+    ok = {
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+        "str": lambda v: isinstance(v, str),
+        "str list": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+        "int list": lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+    }[kind](value)
+    if not ok:
+        shown = repr(value) if len(repr(value)) < 60 else f"a {type(value).__name__}"
+        raise WeightsError(f"metadata key '{key}' is {shown}: expected {'an' if kind == 'int' else 'a'} {kind}")
+    return value
 
 
 def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], *, origin: str) -> ModelConfig:
-    """`ModelConfig` of the Llama family from the `llama.*` keys."""
+    """`ModelConfig` of the Llama family from the `llama.*` keys, each type-checked."""
     arch = meta.get("general.architecture")
     if arch != ARCHITECTURE:
+        shown = repr(arch) if isinstance(arch, (str, type(None))) else f"a {type(arch).__name__}"
         raise WeightsError(
-            f"{origin}: architecture {arch!r} is not supported; "
+            f"{origin}: architecture {shown} is not supported; "
             "hybridlm reads Llama-architecture GGUF files ('llama')"
         )
 
-    def get(key: str, default: Any = ...) -> Any:
-        value = meta.get(f"{arch}.{key}", default)
-        if value is ...:
-            raise WeightsError(f"{origin}: metadata key '{arch}.{key}' is missing")
-        return value
+    def get(key: str, kind: str = "int", default: Any = _MISSING) -> Any:
+        try:
+            return meta_value(meta, f"{arch}.{key}", kind, default)
+        except WeightsError as exc:
+            if isinstance(meta.get(f"{arch}.{key}"), list) and key.startswith("attention.head_count"):
+                raise WeightsError(f"{origin}: head counts vary by layer ({arch}.{key}); not supported") from None
+            raise WeightsError(f"{origin}: {exc}") from None
 
     d_model, n_head = get("embedding_length"), get("attention.head_count")
-    n_kv_head = get("attention.head_count_kv", n_head)
-    if not all(isinstance(v, int) for v in (d_model, n_head, n_kv_head)) or not n_head:
-        raise WeightsError(f"{origin}: head counts vary by layer or are not integers; not supported")
+    n_kv_head = get("attention.head_count_kv", default=n_head)
+    if n_head < 1 or d_model % n_head:
+        raise WeightsError(f"{origin}: {arch}.embedding_length={d_model} is not a multiple of "
+                           f"{arch}.attention.head_count={n_head}")
     d_head = d_model // n_head
     for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
-        if get(key, d_head) != d_head:
+        if get(key, default=d_head) != d_head:
             raise WeightsError(
                 f"{origin}: {arch}.{key}={get(key)} differs from d_model/n_head={d_head}; not supported"
             )
-    scaling = get("rope.scaling.type", "none")
-    if scaling not in ("none", None) or "rope_freqs.weight" in tensor_names:
+    scaling = get("rope.scaling.type", "str", "none")
+    if scaling != "none" or "rope_freqs.weight" in tensor_names:
         raise WeightsError(f"{origin}: rotary scaling ({scaling!r}) is not supported")
-    vocab = get("vocab_size", None) or len(meta.get("tokenizer.ggml.tokens") or []) or None
-    if vocab is None:
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = get("vocab_size", default=None) or (len(tokens) if isinstance(tokens, list) else None)
+    if not vocab:
         raise WeightsError(f"{origin}: neither '{arch}.vocab_size' nor a vocabulary in the metadata")
+    special = {}
+    for name in ("bos", "eos"):
+        key = f"tokenizer.ggml.{name}_token_id"
+        try:
+            special[name] = meta_value(meta, key, "int", None)
+        except WeightsError as exc:
+            raise WeightsError(f"{origin}: {exc}") from None
     try:
         return ModelConfig(
             family="llama", vocab_size=vocab, n_ctx=get("context_length"), d_model=d_model,
             n_layer=get("block_count"), n_head=n_head, n_kv_head=n_kv_head, d_mlp=get("feed_forward_length"),
-            norm="rmsnorm", norm_eps=float(get("attention.layer_norm_rms_epsilon")), positions="rotary",
-            rope_theta=float(get("rope.freq_base", 10000.0)), mlp="swiglu", attn_bias=False,
+            norm="rmsnorm", norm_eps=float(get("attention.layer_norm_rms_epsilon", "number")), positions="rotary",
+            rope_theta=float(get("rope.freq_base", "number", 10000.0)), mlp="swiglu", attn_bias=False,
             attn_out_bias=False, mlp_bias=False, tie_embeddings="output.weight" not in tensor_names,
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            bos_token_id=special["bos"], eos_token_id=special["eos"],
         )
     except HybridLMError as exc:
         raise WeightsError(f"{origin}: inconsistent sizes in the metadata: {exc}") from None
 
 
 # ====================================================================== tensors
-def dequantize(tensor) -> np.ndarray:
+def dequantize(tensor: TensorInfo) -> np.ndarray:
     """A GGUF tensor as float32 in numpy order (ggml's ne reversed: [rows, columns])."""
     import gguf
 
-    kind = tensor.tensor_type
+    kind = tensor.kind
     if kind.name not in SUPPORTED_TYPES:
         raise WeightsError(
             f"tensor {tensor.name!r} is stored as {kind.name}, a type hybridlm does not dequantise; "
             f"supported: {', '.join(SUPPORTED_TYPES)}"
         )
-    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-    values = gguf.quants.dequantize(np.asarray(tensor.data), kind)
-    return np.array(values, dtype=np.float32).reshape(shape)
+    values = gguf.quants.dequantize(tensor.data(), kind)
+    return np.array(values, dtype=np.float32).reshape(tensor.shape)
 
 
 def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -263,6 +260,14 @@ def weights_from_tensors(tensors, cfg: ModelConfig, *, progress: str | None = No
             fused[(layer, part)] = value
         else:
             raise WeightsError(f"tensor {name!r} has no place in a Llama model")
+    d_head = cfg.d_head
+    shapes = {"attn_q.weight": (cfg.n_head * d_head, cfg.d_model), "attn_k.weight": (cfg.n_kv_head * d_head, cfg.d_model),
+              "attn_v.weight": (cfg.n_kv_head * d_head, cfg.d_model), "ffn_gate.weight": (cfg.d_mlp, cfg.d_model),
+              "ffn_up.weight": (cfg.d_mlp, cfg.d_model)}
+    for (layer, part), value in fused.items():  # before they are permuted and stacked
+        if tuple(value.shape) != shapes[part]:
+            raise WeightsError(f"tensor blk.{layer}.{part} has shape {list(value.shape)}, the metadata imply "
+                               f"{list(shapes[part])}")
     for layer in range(cfg.n_layer):
         q, k, v = _pop_parts(fused, layer, QKV_TENSORS)
         q, k = unpermute_rotary(q, cfg.n_head), unpermute_rotary(k, cfg.n_kv_head)
@@ -291,30 +296,48 @@ def split_block_name(name: str) -> tuple[int, str]:
 
 
 # ====================================================================== tokenizer
-def tokenizer_from_metadata(meta: dict[str, Any], *, name: str) -> Tokenizer | None:
-    """The byte-level BPE of `tokenizer.ggml.*`, control tokens special; None if the file has none."""
-    kind = meta.get("tokenizer.ggml.model")
+def tokenizer_from_metadata(meta: dict[str, Any], *, name: str, vocab_size: int | None = None) -> Tokenizer | None:
+    """The byte-level BPE of `tokenizer.ggml.*`, control tokens special; None if the file has none.
+
+    Every key is type-checked; token ids must lie in [0, V) (V = `vocab_size`, or the vocabulary's size).
+    """
+    kind = meta_value(meta, "tokenizer.ggml.model", "str", None)
     if kind is None:
         return None
     if kind != "gpt2":
         raise WeightsError(
             f"tokenizer model {kind!r} is not supported; hybridlm builds byte-level BPE ('gpt2') vocabularies"
         )
-    tokens = meta["tokenizer.ggml.tokens"]
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tokens = meta_value(meta, "tokenizer.ggml.tokens", "str list")
+    types = meta_value(meta, "tokenizer.ggml.token_type", "int list", None) or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise WeightsError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    merges = meta_value(meta, "tokenizer.ggml.merges", "str list", None) or []
+    if any(" " not in m for m in merges):
+        bad = next(m for m in merges if " " not in m)
+        raise WeightsError(f"tokenizer.ggml.merges holds {bad[:40]!r}: expected 'left right'")
+    template = meta_value(meta, "tokenizer.chat_template", "str", None)
+    pre = meta_value(meta, "tokenizer.ggml.pre", "str", "default")
+    size = vocab_size or len(tokens)
+    ids = {}
+    for key in ("eos", "bos", "eot"):
+        value = meta_value(meta, f"tokenizer.ggml.{key}_token_id", "int", None)
+        if value is not None and not 0 <= value < size:
+            raise WeightsError(f"tokenizer.ggml.{key}_token_id={value}: expected an id in [0, {size})")
+        ids[key] = value
     vocab = {token: index for index, token in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-    backend = byte_level_bpe(vocab, merges, [t for t, k in zip(tokens, types) if k == TOKEN_CONTROL])
-    user = [t for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED]
-    if user:
-        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
-    backend.pre_tokenizer = pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
-    template = meta.get("tokenizer.chat_template")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    return Tokenizer(
-        backend, eos_id=eos, bos_id=meta.get("tokenizer.ggml.bos_token_id"), chat_template=template,
-        end_of_turn_id=meta.get("tokenizer.ggml.eot_token_id", end_of_turn(template, vocab)), name=name,
-    )
+    try:
+        backend = byte_level_bpe(vocab, [tuple(m.split(" ", 1)) for m in merges],
+                                 [t for t, k in zip(tokens, types) if k == TOKEN_CONTROL])
+        user = [t for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED]
+        if user:
+            backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    except Exception as exc:  # the tokenizers library raises its own exception type for a bad vocabulary
+        raise WeightsError(f"the vocabulary and merges do not form a BPE tokenizer ({exc})") from None
+    backend.pre_tokenizer = pre_tokenizer(pre)
+    eot = ids["eot"] if ids["eot"] is not None else end_of_turn(template, vocab)
+    return Tokenizer(backend, eos_id=ids["eos"], bos_id=ids["bos"], chat_template=template, end_of_turn_id=eot,
+                     name=name)
 
 
 def pre_tokenizer(pre: str):

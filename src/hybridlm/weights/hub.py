@@ -11,7 +11,9 @@ stacked into our W_qkv. Buffers the hub keeps beside the weights (the causal mas
 from __future__ import annotations
 
 import json
+import math
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -20,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hybridlm.lm.config import ModelConfig
+from hybridlm.lm.config import MAX_SIZES, ModelConfig
 from hybridlm.errors import ConfigError, ModelNotFoundError, WeightsError
 from hybridlm.lm.model import DecoderLM
 from hybridlm.weights.checks import assemble
@@ -39,26 +41,53 @@ HUB_REPOS: dict[str, str] = {
 
 
 
+_REQUIRED = object()
+MAX_CONFIG_BYTES = 4 << 20  # hub config.json files are a few KB
+MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors library's own limit on the JSON header
+
+
+def hub_field(hf: dict[str, Any], name: str, kind: str, default: Any = _REQUIRED) -> Any:
+    """config.json's field `name`, checked to be a "positive int", "number" (finite, > 0),
+    "id" (an integer ≥ 0 or null), "str" or "bool"; the error names the field as the file spells it."""
+    if name not in hf or (hf[name] is None and kind != "id"):
+        if default is _REQUIRED:
+            raise ConfigError(f"config.json lacks the field {name!r}")
+        return default
+    value = hf[name]
+    plain_int = isinstance(value, int) and not isinstance(value, bool)
+    ok = {
+        "positive int": plain_int and value >= 1,
+        "number": isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        and value > 0,
+        "id": value is None or (plain_int and value >= 0),
+        "str": isinstance(value, str),
+        "bool": isinstance(value, bool),
+    }[kind]
+    if not ok:
+        expected = {"positive int": "a positive integer", "number": "a finite number > 0",
+                    "id": "a token id (an integer ≥ 0) or null", "str": "a string", "bool": "true or false"}[kind]
+        shown = repr(value) if len(repr(value)) <= 40 else f"a {type(value).__name__}"
+        raise ConfigError(f"config.json: {name}={shown} ({type(value).__name__}): expected {expected}")
+    return value
+
+
 def gpt2_config(hf: dict[str, Any]) -> ModelConfig:
-    """Read a hub `config.json` of a GPT2LMHeadModel."""
+    """Read a hub `config.json` of a GPT2LMHeadModel, field by field."""
     _require_tanh_gelu(hf, "GPT-2")
-    try:
-        d_model = hf["n_embd"]
-        return ModelConfig(
-            family="gpt2",
-            vocab_size=hf["vocab_size"],
-            n_ctx=hf.get("n_positions", hf.get("n_ctx", 1024)),
-            d_model=d_model,
-            n_layer=hf["n_layer"],
-            n_head=hf["n_head"],
-            d_mlp=hf.get("n_inner") or 4 * d_model,
-            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id"),
-            init_std=hf.get("initializer_range", 0.02),
-        )
-    except KeyError as exc:
-        raise ConfigError(f"config.json lacks the GPT-2 field {exc.args[0]!r}") from None
+    d_model = hub_field(hf, "n_embd", "positive int")
+    return ModelConfig(
+        family="gpt2",
+        vocab_size=hub_field(hf, "vocab_size", "positive int"),
+        n_ctx=hub_field(hf, "n_positions", "positive int", None) or hub_field(hf, "n_ctx", "positive int", 1024),
+        d_model=d_model,
+        n_layer=hub_field(hf, "n_layer", "positive int"),
+        n_head=hub_field(hf, "n_head", "positive int"),
+        d_mlp=hub_field(hf, "n_inner", "positive int", None) or 4 * d_model,
+        norm_eps=hub_field(hf, "layer_norm_epsilon", "number", 1e-5),
+        bos_token_id=hub_field(hf, "bos_token_id", "id", None),
+        eos_token_id=hub_field(hf, "eos_token_id", "id", None),
+        init_std=hub_field(hf, "initializer_range", "number", 0.02),
+    )
 
 def gpt2_hub_config(cfg: ModelConfig) -> dict[str, Any]:
     """The hub `config.json` for this configuration (GPT-2 family only)."""
@@ -86,31 +115,30 @@ def gpt2_hub_config(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 def gptneo_config(hf: dict[str, Any]) -> ModelConfig:
-    """Read a hub `config.json` of a GPTNeoForCausalLM (model_type "gpt_neo")."""
+    """Read a hub `config.json` of a GPTNeoForCausalLM (model_type "gpt_neo"), field by field."""
     _require_tanh_gelu(hf, "GPT-Neo")
-    if not hf.get("tie_word_embeddings", True):
+    if not hub_field(hf, "tie_word_embeddings", "bool", True):
         raise ConfigError("config.json has tie_word_embeddings=false: hybridlm reads tied GPT-Neo checkpoints only")
-    try:
-        d_model = hf["hidden_size"]
-        return ModelConfig(
-            family="gpt-neo",
-            vocab_size=hf["vocab_size"],
-            n_ctx=hf.get("max_position_embeddings", 2048),
-            d_model=d_model,
-            n_layer=hf["num_layers"],
-            n_head=hf["num_heads"],
-            d_mlp=hf.get("intermediate_size") or 4 * d_model,
-            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-            attn_bias=False,
-            attn_scale=1.0,
-            attention_layers=_expand_attention_types(hf["attention_types"]),
-            local_window=hf.get("window_size", 256),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id"),
-            init_std=hf.get("initializer_range", 0.02),
-        )
-    except KeyError as exc:
-        raise ConfigError(f"config.json lacks the GPT-Neo field {exc.args[0]!r}") from None
+    d_model = hub_field(hf, "hidden_size", "positive int")
+    if "attention_types" not in hf:
+        raise ConfigError("config.json lacks the field 'attention_types'")
+    return ModelConfig(
+        family="gpt-neo",
+        vocab_size=hub_field(hf, "vocab_size", "positive int"),
+        n_ctx=hub_field(hf, "max_position_embeddings", "positive int", 2048),
+        d_model=d_model,
+        n_layer=hub_field(hf, "num_layers", "positive int"),
+        n_head=hub_field(hf, "num_heads", "positive int"),
+        d_mlp=hub_field(hf, "intermediate_size", "positive int", None) or 4 * d_model,
+        norm_eps=hub_field(hf, "layer_norm_epsilon", "number", 1e-5),
+        attn_bias=False,
+        attn_scale=1.0,
+        attention_layers=_expand_attention_types(hf["attention_types"]),
+        local_window=hub_field(hf, "window_size", "positive int", 256),
+        bos_token_id=hub_field(hf, "bos_token_id", "id", None),
+        eos_token_id=hub_field(hf, "eos_token_id", "id", None),
+        init_std=hub_field(hf, "initializer_range", "number", 0.02),
+    )
 
 def gptneo_hub_config(cfg: ModelConfig) -> dict[str, Any]:
     """The hub `config.json` for this configuration (GPT-Neo family only)."""
@@ -154,8 +182,11 @@ def _expand_attention_types(types: Any) -> tuple[str, ...]:
     try:
         layers: list[str] = []
         for pattern, repeat in types:
-            if isinstance(pattern, str) or isinstance(repeat, bool) or not isinstance(repeat, int):
+            if (isinstance(pattern, str) or isinstance(repeat, bool) or not isinstance(repeat, int)
+                    or not all(isinstance(p, str) for p in pattern)):
                 raise TypeError
+            if len(layers) + len(pattern) * repeat > MAX_SIZES["n_layer"]:
+                raise ValueError
             layers += list(pattern) * repeat
         return tuple(layers)
     except (TypeError, ValueError):
@@ -166,7 +197,7 @@ def _expand_attention_types(types: Any) -> tuple[str, ...]:
 
 
 def _require_tanh_gelu(hf: dict[str, Any], family: str) -> None:
-    act = hf.get("activation_function", "gelu_new")
+    act = hub_field(hf, "activation_function", "str", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ConfigError(
             f"activation_function={act!r} in config.json: hybridlm's {family} family uses the "
@@ -266,9 +297,63 @@ def _unstack_qkv(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+#: safetensors dtypes → bytes per element.
+SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
+                      "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def check_safetensors_header(path: Path) -> dict[str, dict]:
+    """The tensor table of a safetensors file, every length and extent checked against the file.
+
+    Layout: u64 N · N bytes of JSON {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}}
+    · the data, offsets counted from its start. The safetensors library checks much of this
+    too; checking it here first gives one error that names the tensor and the field.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise WeightsError(f"{path}: {size} bytes, too short for a safetensors header; is it truncated or corrupt?")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, MAX_SAFETENSORS_HEADER):
+            raise WeightsError(f"{path}: the header claims {n:,} bytes, the file has {size - 8:,} after the length "
+                               f"(limit {MAX_SAFETENSORS_HEADER:,}); is it truncated or corrupt?")
+        raw = fh.read(n)
+    try:
+        table = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        reason = exc.__class__.__name__ if isinstance(exc, RecursionError) else exc
+        raise WeightsError(f"{path}: the header is not a JSON object ({reason}); is it truncated or corrupt?") from None
+    if not isinstance(table, dict):
+        raise WeightsError(f"{path}: the header is a JSON {type(table).__name__}, expected an object")
+    data = size - 8 - n
+    table.pop("__metadata__", None)
+    for name, entry in table.items():
+        where = f"{path}: tensor {name[:80]!r}"
+        if not isinstance(entry, dict):
+            raise WeightsError(f"{where}: expected {{dtype, shape, data_offsets}}, got a {type(entry).__name__}")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in SAFETENSORS_DTYPES:
+            raise WeightsError(f"{where}: dtype {str(dtype)[:20]!r} is not one of {sorted(SAFETENSORS_DTYPES)}")
+        ints = (lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                       for x in v))
+        if not ints(shape) or len(shape) > 8:
+            raise WeightsError(f"{where}: shape {str(shape)[:40]} is not a list of at most 8 integers ≥ 0")
+        if not ints(offsets) or len(offsets) != 2 or not offsets[0] <= offsets[1] <= data:
+            raise WeightsError(f"{where}: data_offsets {str(offsets)[:60]} do not lie within the {data:,} bytes of data; "
+                               "is the file truncated or corrupt?")
+        if offsets[1] - offsets[0] != math.prod(shape) * SAFETENSORS_DTYPES[dtype]:
+            raise WeightsError(f"{where}: data_offsets span {offsets[1] - offsets[0]:,} bytes, shape {shape} of "
+                               f"{dtype} needs {math.prod(shape) * SAFETENSORS_DTYPES[dtype]:,}")
+    return table
+
+
 def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
+        if not f.is_file():
+            raise WeightsError(f"{f}: no such weights file")
+        check_safetensors_header(f)
         try:
             with safe_open(str(f), framework="pt") as fh:
                 for key in fh.keys():
@@ -285,9 +370,15 @@ def weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError) as exc:
-            raise WeightsError(f"{index}: not a valid safetensors index ({exc})") from None
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise WeightsError(f"{index}: not a valid safetensors index ({type(exc).__name__}: {exc})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise WeightsError(f"{index}: weight_map is not an object {{tensor: shard file name}}")
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            if Path(shard).name != shard or shard in (".", ".."):
+                raise WeightsError(f"{index}: shard {shard[:80]!r} is outside the folder: expected a file name")
         return [folder / s for s in shards]
     present = sorted(p.name for p in folder.iterdir())[:10]
     raise WeightsError(
@@ -296,23 +387,42 @@ def weight_files(folder: Path) -> list[Path]:
     )
 
 
+def read_config_json(cfg_file: Path) -> dict[str, Any]:
+    """config.json as a JSON object, its size and nesting bounded."""
+    size = cfg_file.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise WeightsError(f"{cfg_file}: {size:,} bytes; a config.json holds at most {MAX_CONFIG_BYTES:,}")
+    try:
+        hf = json.loads(cfg_file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise WeightsError(f"{cfg_file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except ValueError as exc:
+        raise WeightsError(f"{cfg_file}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise WeightsError(f"{cfg_file}: JSON nested too deep to be a model config") from None
+    if not isinstance(hf, dict):
+        raise WeightsError(f"{cfg_file}: a JSON {type(hf).__name__}; expected a JSON object of config fields")
+    return hf
+
+
 def load_hub_folder(folder: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> DecoderLM:
     """Read a folder in the hub layout of any supported model_type (GPT-2, GPT-Neo)."""
     folder = Path(folder)
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise WeightsError(f"{folder} has no config.json: expected the hub layout (config.json + model.safetensors)")
-    try:
-        hf = json.loads(cfg_file.read_text())
-    except ValueError as exc:
-        raise WeightsError(f"{cfg_file}: not valid JSON ({exc})") from None
+    hf = read_config_json(cfg_file)
     model_type = hf.get("model_type", "gpt2")
-    if model_type not in LAYOUTS:
+    if not isinstance(model_type, str) or model_type not in LAYOUTS:
+        shown = repr(model_type) if isinstance(model_type, str) else f"{str(model_type)[:20]} (a {type(model_type).__name__})"
         raise ConfigError(
-            f"{cfg_file}: model_type {model_type!r} is not supported here (expected one of {sorted(LAYOUTS)})"
+            f"{cfg_file}: model_type {shown} is not supported here (expected one of {sorted(LAYOUTS)})"
         )
     layout = LAYOUTS[model_type]
-    cfg = layout.read_config(hf)
+    try:
+        cfg = layout.read_config(hf)
+    except ConfigError as exc:
+        raise ConfigError(f"{folder}/{exc}" if str(exc).startswith("config.json") else f"{cfg_file}: {exc}") from None
     tensors = read_safetensors(weight_files(folder))
     if layout.split_qkv:
         tensors = _stack_qkv(tensors, layout.split_qkv)

@@ -1,0 +1,113 @@
+"""Write the seed corpora (corpus/<harness>/): small, valid inputs of each reader, a few KB each.
+
+Run from the repository root: python fuzz/make_seeds.py
+"""
+
+import json
+import struct
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+ROOT = Path(__file__).parent / "corpus"
+
+
+def write(harness: str, name: str, data: bytes) -> None:
+    folder = ROOT / harness
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_bytes(data)
+
+
+def tiny_gguf(path: Path, *, tensors: bool) -> bytes:
+    """A one-block Llama: d = 32, 2 heads (1 key/value head), V = 8, matrices in Q8_0."""
+    d, d_mlp, vocab, heads, kv = 32, 32, 8, 2, 1
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(16)
+    writer.add_embedding_length(d)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(d_mlp)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", "ab", "c", "<|im_start|>", "<|im_end|>", "d", "e"])
+    writer.add_token_types([1, 1, 1, 1, 3, 3, 1, 1])
+    writer.add_token_merges(["a b"])
+    writer.add_eos_token_id(5)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}")
+    if tensors:
+        d_head = d // heads
+        shapes = {"token_embd.weight": (vocab, d), "blk.0.attn_q.weight": (d, d),
+                  "blk.0.attn_k.weight": (kv * d_head, d), "blk.0.attn_v.weight": (kv * d_head, d),
+                  "blk.0.attn_output.weight": (d, d), "blk.0.ffn_gate.weight": (d_mlp, d),
+                  "blk.0.ffn_up.weight": (d_mlp, d), "blk.0.ffn_down.weight": (d, d_mlp)}
+        for name, shape in shapes.items():
+            q = gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        for name in ("output_norm.weight", "blk.0.attn_norm.weight", "blk.0.ffn_norm.weight"):
+            writer.add_tensor(name, np.ones(d, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.read_bytes()
+
+
+def hub_seed(tmp: Path) -> bytes:
+    """A one-block GPT-2 (d = 8, 2 heads, V = 16, T = 8) in the hub layout, as the harness's one input."""
+    from hybridlm.lm.config import ModelConfig
+    from hybridlm.weights.hub import save_hub_folder
+    from hybridlm.weights.loading import random_model
+
+    cfg = ModelConfig(vocab_size=16, n_ctx=8, d_model=8, n_layer=1, n_head=2, eos_token_id=0)
+    save_hub_folder(random_model(cfg), tmp / "hub")
+    config = (tmp / "hub" / "config.json").read_bytes()
+    return struct.pack("<I", len(config)) + config + (tmp / "hub" / "model.safetensors").read_bytes()
+
+
+def trace_seed() -> bytes:
+    base = {"k": 0}
+    events = [
+        {"event": "start", "t": 0, "wall_s": 0.0, "task": "What is 6 * 7?", "model": "scripted",
+         "kernel": {"temperature": 1.0, "top_k": None, "top_p": None, "greedy": True},
+         "limits": {"max_token_steps": 160, "max_jumps": 3, "max_jumps_per_step": 1}, "tool_choice": "auto",
+         "constrain": True, "seed": 0, "control": [],
+         "tools": [{"name": "calculator", "description": "Evaluate.", "parameters": {
+             "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}]},
+        {"event": "phase", "t": 0, "wall_s": 0.01, "phase": "prefill", "mode": "q_G", "tokens": 40},
+        {"event": "token", "t": 1, "wall_s": 0.02, "token": 27, "text": "<", "phase": "decode"},
+        {"event": "control", "t": 2, "wall_s": 0.03, "controller": "ban", "removed_mass": 0.25,
+         "no_safe_token": False},
+        {"event": "jump", "t": 2, "wall_s": 0.05, "tool": "calculator", "arguments": {"expression": "6 * 7"},
+         "observation": "42", "error": None, "duration_s": 0.002},
+        {"event": "batch", "t": 2, "wall_s": 0.06, "row": 0, "action": "join"},
+        {"event": "context", "t": 3, "wall_s": 0.07, "kept": 12},
+        {"event": "end", "t": 3, "wall_s": 0.08, "answer": "42", "stop_reason": "answer", "token_steps": 3,
+         "jumps": 1, "wall_generate_s": 0.07, "wall_external_s": 0.002},
+    ]
+    return b"".join(json.dumps({**base, **e} if "k" not in e else e).encode() + b"\n" for e in events)
+
+
+def main() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        write("gguf_reader", "tiny_llama.gguf", tiny_gguf(tmp / "a.gguf", tensors=True))
+        write("gguf_reader", "metadata_only.gguf", tiny_gguf(tmp / "b.gguf", tensors=False))
+        write("hub_reader", "tiny_gpt2.bin", hub_seed(tmp))
+    write("trace_reader", "arc.jsonl", trace_seed())
+    for i, expression in enumerate(["123456 * 789", "(2 + 3) * 4 ** 2 / 8", "7 // 2 + 7 % 2", "sqrt(144) + abs(-3)",
+                                    "2 ** 0.5", "-(3 - 10) ** 3", "1,000 × 3 ÷ 4", "round(2.675)"]):
+        write("calculator", f"expr{i}.txt", expression.encode())
+    for i, kb in enumerate([{"Boiling point of water": "100 °C", "pi": 3.14159},
+                            {"nothing": None, "list": [1, [2, [3]]], "obj": {"a": {"b": True}}}]):
+        write("knowledge_base", f"kb{i}.json", json.dumps(kb, ensure_ascii=False).encode())
+
+
+if __name__ == "__main__":
+    main()

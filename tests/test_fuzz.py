@@ -1,0 +1,32 @@
+"""A bounded smoke run of every atheris harness in fuzz/ (the long runs are in docs/robustness.md).
+
+Each harness runs in a subprocess on a copy of its seed corpus for HYBRIDLM_FUZZ_SECONDS
+(default 60) with libFuzzer's own limits: 5 s per input (a hang is a failure) and 1 GB of
+memory; any uncaught exception ends the run with a non-zero exit code and the input.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FUZZ = Path(__file__).parents[1] / "fuzz"
+HARNESSES = ["gguf_reader", "hub_reader", "trace_reader", "calculator", "knowledge_base"]
+
+
+@pytest.mark.fuzz
+@pytest.mark.parametrize("harness", HARNESSES)
+def test_harness_smoke_run(harness, tmp_path):
+    import atheris  # noqa: F401 - the fuzz extra is part of the test extra: missing it is a failure
+
+    seconds = int(os.environ.get("HYBRIDLM_FUZZ_SECONDS", "60"))
+    corpus = tmp_path / "corpus"
+    shutil.copytree(FUZZ / "corpus" / harness, corpus)
+    cmd = [sys.executable, str(FUZZ / f"{harness}.py"), str(corpus), f"-max_total_time={seconds}", "-timeout=5",
+           "-rss_limit_mb=1024", "-max_len=16384", f"-artifact_prefix={tmp_path}/"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 300, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "Done" in p.stderr and not list(tmp_path.glob("crash-*")) and not list(tmp_path.glob("timeout-*"))
