@@ -179,7 +179,7 @@ class HybridRunner:
                                 runs_in="thread"))
         calls = PARALLEL_HORIZON if task.category == "parallel" else 1
         agent = HybridAgent(self.model, tools, tool_choice="required", constrain=self.constrained,
-                            limits=Limits(max_token_steps=self.max_token_steps * calls, max_jumps=calls))
+                            limits=Limits(max_token_steps=self.max_token_steps * min(calls, 2), max_jumps=calls))
         arc = agent.run(task.question)
         return [{j.tool: j.arguments} for j in arc.jumps if isinstance(j.arguments, dict)]
 

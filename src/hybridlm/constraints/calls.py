@@ -156,6 +156,9 @@ def tool_call_constraint(tokenizer, tools, tool_choice="auto", *, parallel: bool
     if not offered and choice != "none":
         raise InputError("tool_call_constraint: no tools offered; use tool_choice='none'")
     names = list(offered)
+    lib = library.library_tokenizer(tokenizer)
+    for name, params in offered.items():  # each schema on its own first: the error names the tool
+        library.matcher(lib, library.json_grammar(tool_schema(params, max_string), lenient=True), f"tool {name}")
     grammar = library.lark_grammar(_lark(offered, choice, parallel, max_calls, max_string))
     return ToolCallConstraint(tokenizer, grammar, tools=names, tool_choice=choice if isinstance(choice, str) else "",
                               parallel=parallel, budget=budget, vocab_size=vocab_size)
@@ -224,11 +227,6 @@ def _lark(specs: dict, choice: str, parallel: bool, max_calls: int | None, max_s
     free = "TEXT: /(?s:.*)/"
     if choice == "none":
         return "start: NO_CALL\nNO_CALL: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/\n"
-    for name, params in specs.items():  # each schema on its own first: the error names the tool
-        try:
-            library.json_grammar(tool_schema(params, max_string), lenient=True)
-        except InputError as exc:
-            raise InputError(f"tool {name}: {exc}") from None
     body = {"anyOf": [_call_schema(n, p, max_string) for n, p in specs.items()], "x-guidance": {
         **library.JSON_FORMAT, "lenient": True}}
     more = "" if not parallel else (f' ("\\n"? call){{0,{max_calls - 1}}}' if max_calls else ' ("\\n"? call)*')

@@ -23,7 +23,7 @@ from hybridlm.errors import InputError
 
 TAIL = 48  # the witness is computed only in the last TAIL tokens of a budget
 MARGIN = 8  # free choice while witness + MARGIN < remaining tokens
-CLOSERS = '"}]'
+CLOSERS = '"}], '
 
 
 class GrammarConstraint:
@@ -82,7 +82,9 @@ class GrammarConstraint:
 
     @property
     def text(self) -> str:
-        return self.lib.decode_str(self.tokens)
+        """The constrained text so far (a stop token is the end of the text, not part of it)."""
+        stops = self.tokenizer.stop_ids()
+        return self.lib.decode_str([t for t in self.tokens if t not in stops])
 
     # ------------------------------------------------------------------ the budget
     @property
@@ -143,14 +145,16 @@ def _closer_ids(lib: llguidance.LLTokenizer) -> list[int]:
     """Tokens made only of closing characters, then "0": what ends a value soonest.
 
     Those that start with a quote come first (inside a string only a quote ends it; a
-    bracket would be one more character of the string), longest first.
+    bracket would be one more character of the string), then those without a comma (a
+    comma opens one more item, needed only where a required key is still to come),
+    longest first.
     """
     key = id(lib)
     if key not in _closers:
         texts = [(lib.decode_bytes([i]), i) for i in range(lib.vocab_size) if not lib.is_special_token(i)]
-        closing = [(len(b), b, i) for b, i in texts if b and all(chr(c) in CLOSERS for c in b)]
+        closing = [(len(b), b, i) for b, i in texts if b.strip() and all(chr(c) in CLOSERS for c in b)]
         zero = [i for b, i in texts if b == b"0"]
-        order = sorted(closing, key=lambda p: (not p[1].startswith(b'"'), -p[0]))
+        order = sorted(closing, key=lambda p: (not p[1].startswith(b'"'), b"," in p[1], -p[0]))
         _closers[key] = [i for _, _, i in order] + zero
     return _closers[key]
 
