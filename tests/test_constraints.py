@@ -370,3 +370,18 @@ def test_free_parser_answers_hostile_text_with_one_line(text, says):
 def test_free_parser_never_raises(text):
     calls, error = parse_calls(OPEN + text + CLOSE)
     assert isinstance(calls, list) and (error is None or isinstance(error, str))
+
+
+# ---------------------------------------------------------------------- the prompt follows the tools
+def test_the_prompt_follows_the_tools_offered(smol):
+    from hybridlm.agent.protocol import Protocol
+    from hybridlm.agent.tools import ToolRegistry, Tool, registry
+
+    weather = ToolRegistry()
+    weather.register(Tool("get_weather", "Weather of a city.", {"type": "object", "properties": {
+        "city": {"type": "string"}}, "required": ["city"]}, lambda city: "sunny"))
+    prompt = Protocol(smol, weather).system_prompt()
+    assert "calculator" not in prompt and "get_weather" in prompt and "error" in prompt
+    assert len(Protocol(smol, weather).messages("hi")) == 2  # no calculator example
+    calc = Protocol(smol, registry(["calculator"]))
+    assert "calculator for every calculation" in calc.system_prompt() and len(calc.messages("hi")) > 2
