@@ -259,6 +259,8 @@ def evaluate(runner, categories, *, limit: int | None = None, out: str | Path, r
     if progress is not None:
         progress = progress(len(todo))
     with out.open("a", encoding="utf-8") as fh:
+        if out.stat().st_size and not out.read_bytes().endswith(b"\n"):
+            fh.write("\n")  # the last line was cut by a killed run: start on a line of our own
         for task in todo:
             start = time.perf_counter()
             try:
