@@ -58,9 +58,9 @@ def test_lookup_over_local_kb(tmp_path):
     kb = tmp_path / "kb.json"
     kb.write_text(json.dumps({"Boiling point of water": "100 °C", "pi": 3.14159}))
     reg = registry(["lookup"], kb=kb)
-    assert reg.call("lookup", {"key": "boiling point of WATER"}).text == "100 °C"
-    miss = reg.call("lookup", {"key": "gold"})
-    assert miss.error == "exception" and "not in the knowledge base" in miss.text
+    assert reg.call("lookup", {"key": "Boiling point of water"}).text == "100 °C"
+    miss = reg.call("lookup", {"key": "gold"})  # the schema's enum names the keys
+    assert miss.error == "invalid_arguments" and "'gold' is not one of" in miss.text
     with pytest.raises(InputError, match="knowledge base"):
         registry(["lookup"])
     (tmp_path / "bad.json").write_text("[1, 2")

@@ -625,6 +625,51 @@ def eval_agent(model_spec, n, modes, out, shard_size, use_ray, ray_address):
             json.dump(report, fh, indent=2)
 
 
+@eval_group.command("bfcl")
+@click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
+@click.option("--categories", default="simple_python,live_simple,multiple,parallel", show_default=True,
+              help="BFCL categories, comma-separated.")
+@click.option("--systems", default="constrained,free,llama.cpp", show_default=True,
+              help="constrained (hybridlm), free (hybridlm, no mask in the call), llama.cpp (the reference).")
+@click.option("--limit", default=None, type=click.IntRange(min=1), help="The first N tasks of each category.")
+@click.option("--out", type=click.Path(dir_okay=False), default="bfcl.jsonl", show_default=True,
+              help="Results, one JSON line per task (appended as it goes).")
+@click.option("--resume", is_flag=True, help="Continue --out: skip the tasks it already holds.")
+def eval_bfcl(model_spec, categories, systems, limit, out, resume):
+    """Berkeley Function Calling Leaderboard: BFCL's own data and AST checker (needs bfcl-eval)."""
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from hybridlm.agent import bfcl
+    from hybridlm.errors import InputError
+
+    chosen = [c.strip() for c in categories.split(",") if c.strip()]
+    for c in chosen:
+        if c not in bfcl.CATEGORIES:
+            raise InputError(f"--categories: {c!r} is not one of {', '.join(bfcl.CATEGORIES)}")
+    kinds = [s.strip() for s in systems.split(",") if s.strip()]
+    for s in kinds:
+        if s not in ("constrained", "free", "llama.cpp"):
+            raise InputError(f"--systems: {s!r} is not one of constrained, free, llama.cpp")
+    bfcl.data_dir()  # the install hint before any slow work
+    if Path(out).exists() and not resume:
+        raise InputError(f"--out {out} exists: add --resume to continue it, or choose another file")
+    model = None
+    for kind in kinds:
+        if kind == "llama.cpp":
+            runner = bfcl.LlamaCppRunner()
+        else:
+            if model is None:
+                from hybridlm.weights.loading import load_model
+
+                model = load_model(model_spec)
+            runner = bfcl.HybridRunner(model, constrained=kind == "constrained")
+        bfcl.evaluate(runner, chosen, limit=limit, out=out, resume=True,
+                      progress=lambda n, name=runner.name: tqdm(total=n, desc=name, unit="task", file=sys.stderr))
+    click.echo(bfcl.format_summary(bfcl.summary(out)))
+
+
 @cli.command()
 @click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
 @click.option("--weights", type=click.Choice(["pretrained", "random-fixed", "random-redrawn"]), default="pretrained",

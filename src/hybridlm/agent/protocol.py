@@ -25,9 +25,11 @@ SYSTEM = (
     f'{OPEN}{{"name": TOOL_NAME, "arguments": {{...}}}}{CLOSE}\n'
     f"and wait: the result comes back as {RESPONSE_OPEN}...{RESPONSE_CLOSE}. "
     "Then answer the user in one short sentence that states the result.\n"
-    "Use the calculator for every calculation; never compute in your head.\n"
-    "Tools (JSON schemas):\n"
+    "If the result is an error, read it, fix the arguments and call again.\n"
 )
+CALCULATOR_RULE = "Use the calculator for every calculation; never compute in your head.\n"
+TOOLS_HEADER = "Tools (JSON schemas):\n"
+
 
 def _example(question: str, expression: str, result: str) -> list[tuple[str, str]]:
     call = f'{OPEN}{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}{CLOSE}'
@@ -35,6 +37,7 @@ def _example(question: str, expression: str, result: str) -> list[tuple[str, str
             ("assistant", f"The answer is {result}.")]
 
 
+# The worked example is the calculator's: shown only when the calculator is offered.
 EXAMPLE = [
     *_example("A shop has 37 shelves with 21 jars on each shelf. How many jars are there?", "37 * 21", "777"),
     *_example("What is 5230 minus 148?", "5230 - 148", "5082"),
@@ -56,7 +59,8 @@ class Protocol:
     def system_prompt(self) -> str:
         if not self.tools.tools:
             return "You are a helpful assistant. Answer in one short sentence."
-        return SYSTEM + "\n".join(json.dumps(t.schema()) for t in self.tools)
+        rule = CALCULATOR_RULE if "calculator" in self.tools else ""
+        return SYSTEM + rule + TOOLS_HEADER + "\n".join(json.dumps(t.schema()) for t in self.tools)
 
     def messages(self, task: str) -> list[dict]:
         msgs = [{"role": "system", "content": self.system_prompt()}]

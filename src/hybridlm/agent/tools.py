@@ -308,7 +308,9 @@ def lookup_tool(kb_path: str | Path) -> Tool:
         hit = folded[folded_key]
         return hit if isinstance(hit, str) else json.dumps(hit, ensure_ascii=False)
 
-    return tool(lookup)
+    # The key is one of the knowledge base's keys: the schema says so, and a constrained call
+    # can then only name a key that exists.
+    return tool(lookup, properties={"key": {"enum": [str(k) for k in kb]}})
 
 
 def registry(names: list[str], *, kb: str | Path | None = None) -> ToolRegistry:

@@ -1,0 +1,49 @@
+"""Fuzz the tool-call parsers: the free parser on any text, and the constrained path.
+
+Free: any text between <tool_call> and </tool_call> gives calls or one error line, never an
+exception. Constrained: tokens chosen by the fuzzer among those the mask allows always parse
+into calls whose arguments are what json reads from the text.
+
+    pip install atheris && python fuzz/fuzz_call_parser.py -max_total_time=60
+"""
+
+import json
+import sys
+
+import atheris
+
+with atheris.instrument_imports(include=["hybridlm"]):
+    from hybridlm.constraints import CLOSE, OPEN, parse_calls, tool_call_constraint
+    from hybridlm.tokenizer import gpt2_tokenizer
+
+TOKENIZER = gpt2_tokenizer()
+TOOLS = [
+    {"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer"}, "s": {"type": "string", "maxLength": 6},
+        "xs": {"type": "array", "items": {"type": "number"}, "maxItems": 3}}, "required": ["n"]}},
+    {"name": "g", "parameters": {"type": "object", "properties": {"e": {"enum": ["a", "上海"]}}}},
+]
+
+
+def test_one_input(data: bytes) -> None:
+    fdp = atheris.FuzzedDataProvider(data)
+    text = fdp.ConsumeUnicode(fdp.ConsumeIntInRange(0, 4096))
+    for candidate in (text, OPEN + text + CLOSE):
+        calls, error = parse_calls(candidate, ["f", "g"])
+        if error is not None and (not isinstance(error, str) or "\n" in error):
+            raise AssertionError(f"the error is not one line: {error!r}")
+    c = tool_call_constraint(TOKENIZER, TOOLS, "required", parallel=True, max_calls=2, budget=64)
+    while not c.finished and fdp.remaining_bytes():
+        allowed = c.mask()
+        ids = range(TOKENIZER.vocab_size) if allowed is None else allowed.nonzero().flatten().tolist()
+        c.advance(ids[fdp.ConsumeIntInRange(0, len(ids) - 1)])
+    for call in c.calls():
+        assert call.name in ("f", "g") and isinstance(call.arguments, dict)
+    if c.finished:
+        body = c.text[len(OPEN):].split(CLOSE)[0]
+        assert c.calls()[0].arguments == json.loads(body)["arguments"]
+
+
+if __name__ == "__main__":
+    atheris.Setup(sys.argv, test_one_input)
+    atheris.Fuzz()

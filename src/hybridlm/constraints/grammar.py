@@ -1,0 +1,182 @@
+"""A constraint from a grammar: the mask M_t of the kernel input, from llguidance's parser.
+
+`GrammarConstraint` speaks the engine's protocol (hybridlm.engine.constraint): `mask()`
+is the set of tokens that can continue a string of the grammar's language, `advance(token)`
+feeds the drawn token to the parser, `finished` says the string is complete.
+
+A token budget makes the constrained text end in time. In the last `TAIL` tokens of the
+budget the constraint computes a closing witness: a short continuation that completes the
+grammar (forced tokens first, then closing characters, then the lowest-numbered allowed
+token), found on a copy of the parser. While the witness fits the remaining budget with a
+margin the model chooses freely; once it no longer does, the witness is what the mask
+allows. A runaway string then ends with its closing quote and the call is still made.
+"""
+
+from __future__ import annotations
+
+import llguidance
+import numpy as np
+import torch
+
+from hybridlm.constraints import library
+from hybridlm.errors import InputError
+
+TAIL = 48  # the witness is computed only in the last TAIL tokens of a budget
+MARGIN = 8  # free choice while witness + MARGIN < remaining tokens
+CLOSERS = '"}], '
+
+
+class GrammarConstraint:
+    """M_t from a compiled llguidance grammar over a hybridlm tokenizer."""
+
+    def __init__(self, tokenizer, grammar: str, *, kind: str, source, budget: int | None = None,
+                 vocab_size: int | None = None) -> None:
+        if budget is not None and budget < 1:
+            raise InputError(f"constraint budget {budget}: expected ≥ 1 token")
+        self.tokenizer = tokenizer
+        self.kind, self.source, self.budget = kind, source, budget
+        self.lib = library.library_tokenizer(tokenizer)
+        self.matcher = library.matcher(self.lib, grammar, f"{kind} constraint")
+        self.vocab_size = vocab_size
+        self.tokens: list[int] = []
+        self._buffer = library.MaskBuffer(self.lib.vocab_size)
+        self._forced: int | None = None  # the witness token the last mask allowed alone
+
+    # ------------------------------------------------------------------ the protocol
+    def mask(self) -> torch.Tensor | None:
+        """The allowed tokens; None when every token is (nothing restricted at this step)."""
+        self._forced = self._closing_token()
+        if self._forced is not None:
+            allowed = torch.zeros(max(self.lib.vocab_size, self.vocab_size or 0), dtype=torch.bool)
+            allowed[self._forced] = True
+            return allowed
+        self._buffer.fill(self.matcher)
+        if self._buffer.allows_all() and (self.vocab_size or 0) <= self.lib.vocab_size:
+            return None
+        return self._buffer.tensor(self.vocab_size)
+
+    def advance(self, token: int) -> None:
+        token = int(token)
+        if self._forced is not None and token != self._forced:
+            raise InputError(f"token {token} was not allowed: the budget's closing witness allowed only "
+                             f"{self._forced}")
+        if not self.matcher.consume_token(token):
+            raise InputError(f"token {token} ({self.lib.dbg_tokens([token])}) does not continue the "
+                             f"{self.kind} constraint: {self.matcher.get_error()}")
+        self.tokens.append(token)
+
+    @property
+    def finished(self) -> bool:
+        return self.matcher.is_stopped()
+
+    @property
+    def accepting(self) -> bool:
+        """The text so far is a complete string of the language (it may still go on)."""
+        return self.matcher.is_accepting()
+
+    def describe(self) -> dict:
+        out = {"kind": self.kind, "source": self.source}
+        if self.budget is not None:
+            out["budget"] = self.budget
+        return out
+
+    @property
+    def text(self) -> str:
+        """The constrained text so far (a stop token is the end of the text, not part of it)."""
+        stops = self.tokenizer.stop_ids()
+        return self.lib.decode_str([t for t in self.tokens if t not in stops])
+
+    # ------------------------------------------------------------------ the budget
+    @property
+    def remaining(self) -> int | None:
+        return None if self.budget is None else self.budget - len(self.tokens)
+
+    def _closing_token(self) -> int | None:
+        """The witness's first token when the budget leaves no room for more, else None."""
+        left = self.remaining
+        if left is None or left > TAIL or self.finished:
+            return None
+        witness = closing_witness(self.matcher, self.lib, limit=left)
+        if witness is None or len(witness) + MARGIN < left:
+            return None
+        return witness[0]
+
+
+def closing_witness(m: llguidance.LLMatcher, lib: llguidance.LLTokenizer, *, limit: int) -> list[int] | None:
+    """A short token sequence that completes the grammar from m's state (m is not changed).
+
+    None when none of at most `limit` tokens was found. The end-of-sequence token counts as
+    a token where the grammar needs it to stop.
+    """
+    m = m.deep_copy()
+    buffer = library.MaskBuffer(lib.vocab_size)
+    closers = _closer_ids(lib)
+    out: list[int] = []
+    while len(out) < limit:
+        if m.is_stopped():
+            return out
+        forced = m.compute_ff_tokens()
+        if forced:
+            forced = forced[: limit - len(out)]
+            if not m.consume_tokens(forced):
+                return None
+            out += forced
+            continue
+        buffer.fill(m)
+        allowed = buffer.bools()
+        if m.is_accepting():
+            return out + [lib.eos_token]
+        choice = next((t for t in closers if allowed[t]), None)
+        if choice is None:
+            ids = np.flatnonzero(allowed)
+            if ids.size == 0:
+                return None
+            choice = int(ids[0])
+        if not m.consume_token(choice):
+            return None
+        out.append(choice)
+    return None
+
+
+_closers: dict[int, list[int]] = {}
+
+
+def _closer_ids(lib: llguidance.LLTokenizer) -> list[int]:
+    """Tokens made only of closing characters, then "0": what ends a value soonest.
+
+    Those that start with a quote come first (inside a string only a quote ends it; a
+    bracket would be one more character of the string), then those without a comma (a
+    comma opens one more item, needed only where a required key is still to come),
+    longest first.
+    """
+    key = id(lib)
+    if key not in _closers:
+        texts = [(lib.decode_bytes([i]), i) for i in range(lib.vocab_size) if not lib.is_special_token(i)]
+        closing = [(len(b), b, i) for b, i in texts if b.strip() and all(chr(c) in CLOSERS for c in b)]
+        zero = [i for b, i in texts if b == b"0"]
+        order = sorted(closing, key=lambda p: (not p[1].startswith(b'"'), b"," in p[1], -p[0]))
+        _closers[key] = [i for _, _, i in order] + zero
+    return _closers[key]
+
+
+# ---------------------------------------------------------------------- constructors
+def json_schema_constraint(tokenizer, schema: dict | str, *, budget: int | None = None, lenient: bool = False,
+                           vocab_size: int | None = None) -> GrammarConstraint:
+    """Text that is one JSON value valid under the schema (compact: ", " and ": " separators)."""
+    grammar = library.json_grammar(schema, lenient=lenient)
+    return GrammarConstraint(tokenizer, grammar, kind="json_schema", source=schema, budget=budget,
+                             vocab_size=vocab_size)
+
+
+def regex_constraint(tokenizer, pattern: str, *, budget: int | None = None,
+                     vocab_size: int | None = None) -> GrammarConstraint:
+    """Text that matches the regular expression whole (Rust `regex` syntax)."""
+    return GrammarConstraint(tokenizer, library.regex_grammar(pattern), kind="regex", source=pattern,
+                             budget=budget, vocab_size=vocab_size)
+
+
+def grammar_constraint(tokenizer, grammar: str, *, budget: int | None = None,
+                       vocab_size: int | None = None) -> GrammarConstraint:
+    """Text of a grammar in llguidance's Lark-like format (with `%json {...}` for inline schemas)."""
+    return GrammarConstraint(tokenizer, library.lark_grammar(grammar), kind="grammar", source=grammar,
+                             budget=budget, vocab_size=vocab_size)

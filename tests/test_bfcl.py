@@ -1,0 +1,70 @@
+"""BFCL's own checker and data, loaded without its SDKs (skipped without bfcl-eval)."""
+
+import jsonschema
+import pytest
+
+pytest.importorskip("bfcl_eval", reason="BFCL's data and checker: pip install --no-deps bfcl-eval")
+
+from hybridlm.agent import bfcl  # noqa: E402
+from hybridlm.errors import InputError  # noqa: E402
+
+
+def first(accepted: dict) -> dict:
+    """The first accepted value of each parameter ("" marks an optional one left out), nested dicts too."""
+    out = {}
+    for k, v in accepted.items():
+        if v and v[0] != "":
+            out[k] = first(v[0]) if isinstance(v[0], dict) else v[0]
+    return out
+
+
+def first_answer(task):
+    return [{name: first(params)} for call in task.answer for name, params in call.items()]
+
+
+@pytest.mark.parametrize("category, n", [("simple_python", 400), ("live_simple", 258), ("multiple", 200),
+                                         ("parallel", 200)])
+def test_the_checker_accepts_the_ground_truth_and_the_mapped_schema_admits_it(category, n):
+    tasks = bfcl.tasks(category)
+    assert len(tasks) == n
+    for task in tasks[:40]:
+        calls = first_answer(task)
+        assert bfcl.check(task, calls)["valid"], task.id
+        schemas = {f["name"]: bfcl.json_schema(f["parameters"]) for f in task.functions}
+        for call in calls:
+            ((name, arguments),) = call.items()
+            try:
+                jsonschema.validate(arguments, schemas[name])
+            except jsonschema.ValidationError as exc:  # BFCL writes ints where it declares floats
+                assert "is not of type 'number'" not in exc.message, task.id
+
+
+def test_a_wrong_call_is_refused_with_its_error_type():
+    task = bfcl.tasks("simple_python", limit=1)[0]
+    verdict = bfcl.check(task, [{"calculate_triangle_area": {"base": 11, "height": 5}}])
+    assert not verdict["valid"] and verdict["error_type"].startswith("value_error")
+    assert bfcl.check(task, [])["error_type"] == "simple_function_checker:wrong_count"
+
+
+def test_types_map_to_json_schema():
+    schema = bfcl.json_schema({"type": "dict", "properties": {
+        "x": {"type": "float"}, "t": {"type": "tuple", "items": {"type": "float"}},
+        "d": {"type": "dict", "properties": {"a": {"type": "any"}}}}, "required": ["x"]})
+    jsonschema.Draft202012Validator.check_schema(schema)
+    assert schema["type"] == "object" and schema["properties"]["x"]["type"] == "number"
+    assert schema["properties"]["t"] == {"type": "array", "items": {"type": "number"}}
+    assert schema["properties"]["d"]["properties"]["a"]["type"] == "string"
+
+
+def test_unknown_category_and_resume(tmp_path):
+    with pytest.raises(InputError, match="category 'nope'"):
+        bfcl.tasks("nope")
+    out = tmp_path / "r.jsonl"
+    runner = type("R", (), {"name": "fake", "__call__": lambda self, t: first_answer(t)})()
+    rows = bfcl.evaluate(runner, ["simple_python"], limit=3, out=out)
+    assert [r["valid"] for r in rows] == [True, True, True]
+    with pytest.raises(InputError, match="--resume"):
+        bfcl.evaluate(runner, ["simple_python"], limit=3, out=out)
+    out.write_text(out.read_text() + '{"cut')  # a line cut by a killed run
+    rows = bfcl.evaluate(runner, ["simple_python"], limit=4, out=out, resume=True)
+    assert len(rows) == 4 and len(out.read_text().splitlines()) == 5

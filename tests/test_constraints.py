@@ -1,0 +1,387 @@
+"""Constraints on llguidance: outputs checked by jsonschema, tokens by the tokenizer's own encoding.
+
+The references are independent of the constraint: `jsonschema` decides whether a sampled
+output is valid, the `tokenizers` BPE decides how a text is split into tokens, `json`
+decides what a call's arguments are.
+"""
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from hybridlm.constraints import (
+    CLOSE, OPEN, library_tokenizer, json_schema_constraint, parse_calls, regex_constraint, tool_call_constraint,
+    grammar_constraint,
+)
+from hybridlm.engine.constraint import Constraint
+from hybridlm.errors import InputError
+from hybridlm.tokenizer import gpt2_tokenizer
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2):
+    return smollm2.tokenizer
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return gpt2_tokenizer()
+
+
+def sample(constraint, V, seed, *, steps=400, bias=None):
+    """τ = 1 sampling from random logits, masked by the constraint, until it is finished."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = []
+    for _ in range(steps):
+        if constraint.finished:
+            break
+        allowed = constraint.mask()
+        z = torch.randn(V, generator=g)
+        if bias is not None:
+            z = z + bias
+        if allowed is not None:
+            z = z.masked_fill(~allowed[:V], float("-inf"))
+        w = int(torch.multinomial(torch.softmax(z, -1), 1, generator=g))
+        constraint.advance(w)
+        tokens.append(w)
+    return tokens
+
+
+def feed(constraint, ids):
+    """Feed the tokenizer's own encoding; every token must be in the mask it meets."""
+    for i in ids:
+        allowed = constraint.mask()
+        assert allowed is None or bool(allowed[i]), f"token {i} refused after {constraint.text!r}"
+        constraint.advance(i)
+
+
+def call(name, arguments):
+    return f"{OPEN}{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}{CLOSE}"
+
+
+# ---------------------------------------------------------------------- the property
+NAMES = st.text(alphabet="abcdefghij_", min_size=1, max_size=6)
+
+
+def leaves():
+    integer = st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+                        st.integers(-1000, 1000), st.integers(0, 5000))
+    number = st.builds(lambda lo: {"type": "number", "minimum": lo}, st.integers(-50, 50))
+    string = st.builds(lambda lo, extra: {"type": "string", "minLength": lo, "maxLength": lo + extra},
+                       st.integers(0, 3), st.integers(0, 12))
+    enum = st.lists(st.text(alphabet="abcxyz -上海é", min_size=1, max_size=5), min_size=1, max_size=4,
+                    unique=True).map(lambda vs: {"type": "string", "enum": vs})
+    const = st.sampled_from([{"const": "fixed"}, {"const": 7}, {"const": True}])
+    pattern = st.sampled_from([{"type": "string", "pattern": "^[a-z]{1,6}$"},
+                               {"type": "string", "pattern": "^[0-9]{3}-[0-9]{2}$"}])
+    # formats whose strings end by themselves (an email's local part never has to end, and the
+    # budget's closing witness is a heuristic that need not find its "@"); not "date": RFC 3339
+    # allows the year 0000 that llguidance writes and Python's date (jsonschema's check) refuses
+    fmt = st.sampled_from([{"type": "string", "format": "ipv4"}, {"type": "string", "format": "uuid"}])
+    simple = st.sampled_from([{"type": "boolean"}, {"type": "null"}, {"type": "integer"}, {"type": "number"},
+                              {"type": "string", "maxLength": 8}])
+    return st.one_of(integer, number, string, enum, const, pattern, fmt, simple)
+
+
+def schemas():
+    def extend(children):
+        obj = st.dictionaries(NAMES, children, min_size=1, max_size=4).flatmap(
+            lambda props: st.builds(
+                lambda req: {"type": "object", "properties": props, "required": req, "additionalProperties": False},
+                st.lists(st.sampled_from(sorted(props)), unique=True)))
+        arr = st.builds(lambda items, lo, extra: {"type": "array", "items": items, "minItems": lo,
+                                                  "maxItems": lo + extra},
+                        children, st.integers(0, 2), st.integers(0, 3))
+        any_of = st.lists(children, min_size=2, max_size=3).map(lambda xs: {"anyOf": xs})
+        return st.one_of(obj, arr, any_of)
+
+    return st.recursive(leaves(), extend, max_leaves=6)
+
+
+def with_ref(schema):
+    """The same schema, its root behind a $ref into $defs."""
+    return {"$defs": {"root": schema}, "$ref": "#/$defs/root"}
+
+
+# No shrinking: on a 2-core machine it can run for minutes; a failure prints its example anyway.
+GENERATE = (Phase.explicit, Phase.reuse, Phase.generate)
+
+
+@settings(max_examples=40, deadline=None, phases=GENERATE,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(schema=schemas(), ref=st.booleans(), seed=st.integers(0, 2**31))
+def test_sampled_outputs_validate(gpt2, schema, ref, seed):
+    schema = with_ref(schema) if ref else schema
+    c = json_schema_constraint(gpt2, schema, budget=120)
+    sample(c, gpt2.vocab_size, seed, steps=140)
+    assert c.finished, c.text
+    value = json.loads(gpt2.decode([t for t in c.tokens if t not in gpt2.stop_ids()]))
+    jsonschema.validate(value, schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+
+
+@settings(max_examples=15, deadline=None, phases=GENERATE,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(schema=schemas(), seed=st.integers(0, 2**31))
+def test_sampled_tool_calls_validate_on_smollm2(smol, schema, seed):
+    params = {"type": "object", "properties": {"x": schema}, "required": ["x"]}
+    c = tool_call_constraint(smol, [{"name": "tool", "parameters": params}], "required", budget=200)
+    sample(c, smol.vocab_size, seed, steps=220)
+    assert c.finished and len(c.tokens) <= 200, c.text
+    (got,) = c.calls()
+    body = c.text[len(OPEN):c.text.rindex(CLOSE)]
+    assert got.arguments == json.loads(body)["arguments"]
+    jsonschema.validate(got.arguments, params, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+
+
+# ---------------------------------------------------------------------- BFCL's functions
+@pytest.mark.parametrize("category", ["simple_python", "multiple", "parallel"])
+def test_every_bfcl_function_compiles(smol, category):
+    pytest.importorskip("bfcl_eval", reason="BFCL's data: pip install --no-deps bfcl-eval")
+    from hybridlm.agent import bfcl
+
+    tasks = bfcl.tasks(category)
+    assert len(tasks) >= 200
+    for task in tasks:
+        tools = [{"name": f["name"], "parameters": bfcl.json_schema(f["parameters"])} for f in task.functions]
+        c = tool_call_constraint(smol, tools, "required")
+        assert c.mask() is not None, task.id
+
+
+# ---------------------------------------------------------------------- the grammar failures of the issue
+def test_a_negative_number_after_a_key(smol):
+    tools = [{"name": "solve", "parameters": {"type": "object", "properties": {"b": {"type": "integer"}},
+                                              "required": ["b"]}}]
+    text = call("solve", {"b": -3})
+    ids = smol.encode(text)
+    assert smol.encode(" -")[0] in ids  # the tokenizer writes ` -` as one token after the colon
+    c = tool_call_constraint(smol, tools, "required")
+    feed(c, ids)
+    assert c.finished and c.calls()[0].arguments == {"b": -3}
+
+
+def test_every_token_of_a_non_ascii_string(smol, gpt2):
+    for tok in (smol, gpt2):
+        tools = [{"name": "weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                    "required": ["city"]}}]
+        ids = tok.encode(call("weather", {"city": "上海"}))
+        assert any(tok.decode([i]) == "\ufffd" for i in ids)  # byte-level halves of a character
+        c = tool_call_constraint(tok, tools, "required")
+        feed(c, ids)
+        assert c.calls()[0].arguments == {"city": "上海"}
+
+
+def test_enum_values_only(smol):
+    units = ["metric", "imperial"]
+    tools = [{"name": "convert", "parameters": {"type": "object", "properties": {
+        "units": {"type": "string", "enum": units}}, "required": ["units"]}}]
+    for seed in range(8):
+        c = tool_call_constraint(smol, tools, "required")
+        sample(c, smol.vocab_size, seed)
+        assert c.calls()[0].arguments["units"] in units
+    c = tool_call_constraint(smol, tools, "required")
+    feed(c, smol.encode('<tool_call>{"name": "convert", "arguments": {"units": "'))
+    allowed = c.mask()
+    assert not allowed[smol.encode("kelvin")[0]] and allowed[smol.encode("metric")[0]]
+
+
+def test_a_string_is_closed_within_the_budget(smol):
+    tools = [{"name": "note", "parameters": {"type": "object", "properties": {
+        "text": {"type": "string"}, "count": {"type": "integer"}}, "required": ["text", "count"]}}]
+    # logits that never want a quote: a model that would write the string forever
+    quote = torch.tensor(['"' in s for s in smol.table.texts] + [False] * (smol.vocab_size - len(smol.table.texts)))
+    bias = torch.where(quote, -30.0, 5.0)
+    for budget in (40, 64, 120):
+        c = tool_call_constraint(smol, tools, "required", budget=budget)
+        tokens = sample(c, smol.vocab_size, budget, bias=bias)
+        assert c.finished and len(tokens) <= budget
+        (got,) = c.calls()
+        assert set(got.arguments) == {"text", "count"}
+
+
+def test_max_string_bounds_free_strings(smol):
+    tools = [{"name": "note", "parameters": {"type": "object", "properties": {"text": {"type": "string"}},
+                                             "required": ["text"]}}]
+    c = tool_call_constraint(smol, tools, "required", max_string=5)
+    sample(c, smol.vocab_size, 3)
+    assert len(c.calls()[0].arguments["text"]) <= 5
+
+
+def test_optional_arguments_can_be_emitted(smol):
+    params = {"type": "object", "properties": {"base": {"type": "integer"}, "unit": {"type": "string"},
+                                               "precise": {"type": "boolean"}}, "required": ["base"]}
+    tools = [{"name": "area", "parameters": params}]
+    for arguments in ({"base": 10}, {"base": 10, "unit": "cm"}, {"base": 10, "precise": True},
+                      {"base": 10, "unit": "cm", "precise": False}):
+        c = tool_call_constraint(smol, tools, "required")
+        feed(c, smol.encode(call("area", arguments)))
+        assert c.finished and c.calls()[0].arguments == arguments
+
+
+def test_the_lookup_key_is_one_of_the_knowledge_base_keys(smol, tmp_path):
+    from hybridlm.agent.tools import lookup_tool
+
+    kb = tmp_path / "kb.json"
+    kb.write_text(json.dumps({"speed_of_light": "299792458 m/s", "boiling point": "100 C"}))
+    t = lookup_tool(kb)
+    for seed in range(6):
+        c = tool_call_constraint(smol, [t], "required")
+        sample(c, smol.vocab_size, seed)
+        assert c.calls()[0].arguments["key"] in {"speed_of_light", "boiling point"}
+
+
+# ---------------------------------------------------------------------- tool choice and parallel calls
+TOOLS = [
+    {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                                   "required": ["a", "b"]}},
+    {"name": "clock", "parameters": {"type": "object", "properties": {}}},
+]
+
+
+def test_auto_is_free_text_until_a_call_opens(smol):
+    c = tool_call_constraint(smol, TOOLS, "auto")
+    feed(c, smol.encode("It is 4 o'clock."))
+    assert not c.finished and not c.in_call
+    c.advance(smol.end_of_turn_id)
+    assert c.finished and c.calls() == [] and c.answer() == "It is 4 o'clock."
+
+    c = tool_call_constraint(smol, TOOLS, "auto")
+    feed(c, smol.encode("Let me add them. <tool_call>"))
+    assert c.in_call
+    allowed = c.mask()
+    assert int(allowed.sum()) < 100 and not allowed[smol.encode("Hello")[0]]
+    feed(c, smol.encode('{"name": "add", "arguments": {"a": 2, "b": -0.5}}</tool_call>'))
+    assert c.finished and c.calls()[0].arguments == {"a": 2, "b": -0.5}
+
+
+def test_required_opens_the_turn_with_a_call(smol):
+    c = tool_call_constraint(smol, TOOLS, "required")
+    allowed = torch.nonzero(c.mask()).flatten().tolist()
+    assert allowed and all(OPEN.startswith(smol.table.texts[i]) for i in allowed)
+
+
+def test_none_lets_no_call_open(smol):
+    c = tool_call_constraint(smol, TOOLS, "none")
+    feed(c, smol.encode("No tools needed: <tool_call"))
+    allowed = c.mask()
+    assert not allowed[smol.encode(">")[0]] and allowed[smol.encode("s")[0]]
+    c = tool_call_constraint(smol, TOOLS, "none")
+    feed(c, smol.encode("I can answer: 4."))
+    c.advance(smol.end_of_turn_id)
+    assert c.finished
+
+
+def test_a_named_tool_is_the_only_one(smol):
+    for choice in ("clock", {"type": "function", "function": {"name": "clock"}}):
+        c = tool_call_constraint(smol, TOOLS, choice)
+        feed(c, smol.encode('<tool_call>{"name": "'))
+        allowed = c.mask()
+        assert allowed[smol.encode("clock")[0]] and not allowed[smol.encode("add")[0]]
+    with pytest.raises(InputError, match="tool choice 'sing'"):
+        tool_call_constraint(smol, TOOLS, "sing")
+
+
+def test_parallel_calls_in_order_end_the_turn(smol):
+    first, second = call("add", {"a": 1, "b": 2}), call("clock", {})
+    c = tool_call_constraint(smol, TOOLS, "required", parallel=True)
+    feed(c, smol.encode(first + "\n" + second))
+    assert not c.finished
+    c.advance(smol.end_of_turn_id)
+    assert c.finished and [x.name for x in c.calls()] == ["add", "clock"]
+
+    c = tool_call_constraint(smol, TOOLS, "required", parallel=True, max_calls=2)
+    feed(c, smol.encode(first + second))
+    allowed = c.mask()
+    assert c.finished or torch.nonzero(allowed).flatten().tolist() == [smol.end_of_turn_id]
+
+    c = tool_call_constraint(smol, TOOLS, "required")
+    feed(c, smol.encode(first))
+    assert c.finished and len(c.calls()) == 1
+
+
+# ---------------------------------------------------------------------- protocol, regex, grammar
+def test_the_engine_protocol(smol):
+    c = json_schema_constraint(smol, {"type": "integer"})
+    assert isinstance(c, Constraint)
+    m = c.mask()
+    assert m.dtype == torch.bool and m.shape == (smol.vocab_size,)
+    assert c.describe()["kind"] == "json_schema"
+    with pytest.raises(InputError):
+        c.advance(smol.encode("x")[0])
+    padded = json_schema_constraint(smol, {"type": "integer"}, vocab_size=smol.vocab_size + 64)
+    assert padded.mask().shape == (smol.vocab_size + 64,) and not padded.mask()[smol.vocab_size:].any()
+
+
+def test_regex_and_grammar(smol):
+    c = regex_constraint(smol, r"[0-9]{3}-[a-z]{2}")
+    sample(c, smol.vocab_size, 0)
+    import re
+
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", smol.decode([t for t in c.tokens if t not in smol.stop_ids()]))
+    c = grammar_constraint(smol, 'start: "yes" | "no"')
+    sample(c, smol.vocab_size, 1)
+    assert smol.decode([t for t in c.tokens if t not in smol.stop_ids()]) in ("yes", "no")
+
+
+def test_bad_schemas_and_grammars_name_the_problem(smol):
+    with pytest.raises(InputError, match="JSON schema"):
+        json_schema_constraint(smol, "{not json")
+    with pytest.raises(InputError, match="grammar"):
+        grammar_constraint(smol, "start: undefined_rule")
+    with pytest.raises(InputError, match="tool bad"):
+        tool_call_constraint(smol, [{"name": "bad", "parameters": {"type": "object", "properties": {
+            "x": {"type": "string", "format": "no-such-format", "pattern": "(?<=a)b"}}}}], "required")
+
+
+def test_the_library_tokenizer_is_built_once(smol):
+    assert library_tokenizer(smol) is library_tokenizer(smol)
+
+
+# ---------------------------------------------------------------------- the free parser
+def test_free_parser_reads_calls_like_json():
+    args = {"a": [1, {"b": None}], "s": "上海 \"q\""}
+    text = "thinking... " + call("f", args) + "\n" + call("g", {})
+    calls, error = parse_calls(text, ["f", "g"])
+    assert error is None and [c.name for c in calls] == ["f", "g"] and calls[0].arguments == args
+
+
+@pytest.mark.parametrize("text, says", [
+    (OPEN + "[" * 100_000 + "]" * 100_000 + CLOSE, "JSON"),
+    (OPEN + '{"name": "f", "arguments": ' + "[" * 100_000 + CLOSE, "JSON"),
+    (OPEN + '{"name": "f"', "never closed"),
+    (OPEN + "[1, 2]" + CLOSE, "JSON list"),
+    (OPEN + '{"name": 3}' + CLOSE, '"name"'),
+    (OPEN + '{"name": "zzz", "arguments": {}}' + CLOSE, "unknown tool"),
+    (OPEN + '{"name": "f", "arguments": 5}' + CLOSE, '"arguments"'),
+    (OPEN + '{"name": "f", "arguments": {}, "x": 1}' + CLOSE, "unexpected"),
+    (OPEN + "\x00\ud800" + CLOSE, "JSON"),
+    ("no call here", "no <tool_call>"),
+])
+def test_free_parser_answers_hostile_text_with_one_line(text, says):
+    calls, error = parse_calls(text, ["f"])
+    assert calls == [] and says in error and "\n" not in error
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_free_parser_never_raises(text):
+    calls, error = parse_calls(OPEN + text + CLOSE)
+    assert isinstance(calls, list) and (error is None or isinstance(error, str))
+
+
+# ---------------------------------------------------------------------- the prompt follows the tools
+def test_the_prompt_follows_the_tools_offered(smol):
+    from hybridlm.agent.protocol import Protocol
+    from hybridlm.agent.tools import ToolRegistry, Tool, registry
+
+    weather = ToolRegistry()
+    weather.register(Tool("get_weather", "Weather of a city.", {"type": "object", "properties": {
+        "city": {"type": "string"}}, "required": ["city"]}, lambda city: "sunny"))
+    prompt = Protocol(smol, weather).system_prompt()
+    assert "calculator" not in prompt and "get_weather" in prompt and "error" in prompt
+    assert len(Protocol(smol, weather).messages("hi")) == 2  # no calculator example
+    calc = Protocol(smol, registry(["calculator"]))
+    assert "calculator for every calculation" in calc.system_prompt() and len(calc.messages("hi")) > 2
