@@ -11,7 +11,7 @@ import time
 import pytest
 
 from hybridlm.agent import HybridAgent, Limits, ToolRegistry, read_trace, registry, replay, tool
-from hybridlm.agent.grammar import CLOSE, OPEN
+from hybridlm.constraints import CLOSE, OPEN
 from hybridlm.agent.protocol import RESPONSE_CLOSE, RESPONSE_OPEN
 from hybridlm.agent.tools import calculator
 from hybridlm.alphabet import truncate

@@ -269,12 +269,12 @@ def test_steering_vector_file_and_errors(toy_model, tmp_path):
 # ---------------------------------------------------------------------- agent
 def test_agent_filters_free_text_not_the_call(smollm2, tmp_path):
     from hybridlm.agent import HybridAgent, read_trace, registry
-    from hybridlm.agent.grammar import CLOSE, OPEN
+    from hybridlm.constraints import CLOSE, OPEN
     from tests.agent_fakes import ScriptedModel
 
     tok = smollm2.tokenizer
     call = OPEN + json.dumps({"name": "calculator", "arguments": {"expression": "6 * 7"}}) + CLOSE
-    model = ScriptedModel(tok, [call, "The expression gives 42."])
+    model = ScriptedModel(tok, [call, "The result is 42, an expression."])
     path = tmp_path / "arc.jsonl"
     agent = HybridAgent(model, registry(["calculator"]), tool_choice="auto",
                         controllers=[ban_words("expression", tok)])

@@ -614,6 +614,6 @@ def test_cli_report(real_arc, consensus_runs, tmp_path):
         result = runner.invoke(cli, args)
         assert result.exit_code == 2 and message in result.output, (args, result.output)
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"event": "start"}\nnot json\n')
+    bad.write_text('{"event": "start", "t": 0, "k": 0, "wall_s": 0.0, "task": "x"}\nnot json\n')
     result = runner.invoke(cli, ["report", str(bad)])
     assert result.exit_code == 2 and "bad.jsonl:2" in result.output

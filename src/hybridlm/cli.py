@@ -153,6 +153,58 @@ def _control_summary(controllers, step_records: list[list[dict]]) -> dict:
     }
 
 
+def _context_option(fn):
+    """--context-policy: what happens at the context horizon T (hybridlm.engine.prefill.ContextPolicy)."""
+    from hybridlm.engine.prefill import ContextPolicy
+
+    def parse(ctx, param, value):
+        return ContextPolicy.parse(value)
+
+    return click.option("--context-policy", "context_policy", default="block", show_default=True, callback=parse,
+                        help="At the horizon T: 'exact' (Π_T at every step past T, a rebuild each step) or "
+                             "'block[:δ]' (cut to T − δ once, δ steps follow; δ = T/8 by default).")(fn)
+
+
+def _constraint_source(schema_file, regex, grammar_file):
+    """(kind, source) of the output constraint asked for, read and checked before the model loads."""
+    from pathlib import Path
+
+    from hybridlm.errors import InputError
+
+    given = [(k, v) for k, v in (("json_schema", schema_file), ("regex", regex), ("grammar", grammar_file)) if v]
+    if len(given) > 1:
+        raise InputError(f"{' and '.join('--' + k.replace('_', '-') for k, _ in given)} exclude each other: "
+                         "give one constraint")
+    if not given:
+        return None
+    kind, value = given[0]
+    if kind == "regex":
+        return kind, value
+    try:
+        text = Path(value).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"--{kind.replace('_', '-')} {value}: cannot read it ({exc})") from None
+    if kind == "json_schema":
+        try:
+            return kind, json.loads(text)
+        except ValueError as exc:
+            raise InputError(f"--json-schema {value}: not JSON ({exc})") from None
+    return kind, text
+
+
+def _constraint(source, model, budget: int):
+    if source is None:
+        return None
+    from hybridlm.constraints import grammar_constraint, json_schema_constraint, regex_constraint
+    from hybridlm.errors import InputError
+
+    if model.tokenizer is None:
+        raise InputError(f"model {model.source} has no tokenizer: a constraint needs one")
+    kind, value = source
+    build = {"json_schema": json_schema_constraint, "regex": regex_constraint, "grammar": grammar_constraint}[kind]
+    return build(model.tokenizer, value, budget=max(budget, 1), vocab_size=model.config.vocab_size)
+
+
 MODEL_HELP = "Model: a name (smollm2-135m, gpt2, random:gpt2, ...), a hub-layout folder or a .gguf file. Default: the embedded SmolLM2-135M-Instruct."
 
 
@@ -168,15 +220,22 @@ MODEL_HELP = "Model: a name (smollm2-135m, gpt2, random:gpt2, ...), a hub-layout
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template; stop at end of turn.")
 @click.option("--ids", "as_ids", is_flag=True, help="PROMPT is a list of token ids (comma or space separated).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@click.option("--json-schema", "schema_file", type=click.Path(dir_okay=False), default=None,
+              help="Constrain the output to one JSON value valid under the schema in this file.")
+@click.option("--regex", default=None, type=TEXT, help="Constrain the output to match this regular expression whole.")
+@click.option("--grammar", "grammar_file", type=click.Path(dir_okay=False), default=None,
+              help="Constrain the output to a grammar in llguidance's Lark format (this file).")
+@_context_option
 @_control_options
 def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top_p, seed, chat, as_ids, as_json,
-             ban, steer, steer_layer, steer_scale):
+             schema_file, regex, grammar_file, context_policy, ban, steer, steer_layer, steer_scale):
     """Run the token-clock recursion from PROMPT and print the continuation."""
     from hybridlm.errors import InputError
+    from hybridlm.engine.clock import sequence, stream
     from hybridlm.engine.sampling import Kernel
     from hybridlm.weights.loading import load_model
-    from hybridlm.engine.clock import token_clock
 
+    constraint_source = _constraint_source(schema_file, regex, grammar_file)  # read before the model loads
     if greedy and temperature is not None:
         raise InputError("--greedy and --temperature exclude each other: greedy is the limit τ → 0")
     kernel = Kernel(temperature=1.0 if temperature is None else temperature, top_k=top_k, top_p=top_p, greedy=greedy)
@@ -188,11 +247,13 @@ def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top
     tok = model.tokenizer
     prompt_ids = _prompt_ids(prompt, model, as_ids=as_ids, chat=chat)
     controllers = _controllers(model, ban, steer, steer_layer, steer_scale)
+    constraint = _constraint(constraint_source, model, max_new_tokens)
+    s = sequence(model, prompt_ids, kernel=kernel, max_new_tokens=max_new_tokens, seed=seed, controllers=controllers,
+                 constraint=constraint)
 
     steps, shown = [], ""
     t0 = time.perf_counter()
-    for step in token_clock(model, prompt_ids, kernel=kernel, max_new_tokens=max_new_tokens, seed=seed,
-                            controllers=controllers):
+    for step in stream(model, s, context=context_policy):
         steps.append(step)
         if not as_json and tok is not None:
             text = tok.decode(_visible(steps, tok))
@@ -210,8 +271,10 @@ def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top
             "generated_ids": generated,
             "text": text,
             "token_steps": len(steps),
-            "stop_reason": "stop_token" if steps and steps[-1].stop else "token_budget",
+            "stop_reason": s.arc.termination.value,
             "kernel": kernel.describe(),
+            "constraint": None if constraint is None else constraint.describe(),
+            "context_policy": context_policy.describe(),
             "seed": seed,
             "rebuilds": sum(s.rebuilt for s in steps),
             "load_s": round(load_s, 3),
@@ -271,8 +334,11 @@ def _plant_options(fn):
               help="Comma-separated: calculator, clock, lookup; none for only the MCP servers' or the plant's tools "
                    "[default: calculator; with --plant: none].")
 @click.option("--kb", type=click.Path(dir_okay=False), default=None, help="JSON knowledge base for the lookup tool.")
-@click.option("--tool-choice", type=click.Choice(["required", "auto", "none"]), default="required", show_default=True,
-              help="required: the first turn opens a tool call; auto: the model decides; none: no tools.")
+@click.option("--tool-choice", default="required", show_default=True,
+              help="required: the first turn opens a tool call; auto: the model decides; none: no tools; or a tool's "
+                   "name: the first turn calls that tool.")
+@click.option("--parallel-tool-calls", "parallel", is_flag=True,
+              help="Several calls in one turn (each a jump, their observations injected in order).")
 @click.option("--max-jumps", default=None, type=click.IntRange(min=0), help="Jump horizon [default: 3; per decision with --plant: 2].")
 @click.option("--max-new-tokens", "-n", default=None, type=click.IntRange(min=1),
               help="Token budget of the whole arc [default: 160; per decision with --plant: 40].")
@@ -284,10 +350,11 @@ def _plant_options(fn):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_mcp_options
 @_plant_options
+@_context_option
 @_control_options
-def agent(task, model_spec, tools, kb, tool_choice, max_jumps, max_new_tokens, temperature, seed, trace_path,
-          states, as_json, mcp, mcp_timeout, plant_name, plant_speed, cbf, horizon, period, band, figure_path,
-          ban, steer, steer_layer, steer_scale):
+def agent(task, model_spec, tools, kb, tool_choice, parallel, max_jumps, max_new_tokens, temperature, seed,
+          trace_path, states, as_json, mcp, mcp_timeout, plant_name, plant_speed, cbf, horizon, period, band,
+          figure_path, context_policy, ban, steer, steer_layer, steer_scale):
     """Run TASK through the agentic hybrid automaton (generate ⇄ external modes)."""
     from hybridlm.agent import HybridAgent, Limits
     from hybridlm.agent.mcp import tool_registry
@@ -304,6 +371,9 @@ def agent(task, model_spec, tools, kb, tool_choice, max_jumps, max_new_tokens, t
     kernel = Kernel(greedy=True) if temperature is None else Kernel(temperature=temperature)
     with tool_registry(tools or ("none" if plant_name else "calculator"), kb=kb, mcp=mcp,
                        timeout_s=mcp_timeout) as reg:
+        if tool_choice not in ("auto", "required", "none", *reg.tools):
+            raise InputError(f"--tool-choice {tool_choice!r}: expected auto, required, none or one of the tools "
+                             f"{sorted(reg.tools)[:8]}")
         model = load_model(model_spec, seed=seed)
         controllers = _controllers(model, ban, steer, steer_layer, steer_scale)
         _drop_without_grammar(reg, model)
@@ -315,8 +385,12 @@ def agent(task, model_spec, tools, kb, tool_choice, max_jumps, max_new_tokens, t
                        cbf=cbf, trace_path=trace_path, figure_path=figure_path, as_json=as_json)
             return
         limits = Limits(max_token_steps=max_new_tokens or 160, max_jumps=3 if max_jumps is None else max_jumps)
+        if parallel:  # the calls of a turn are jumps at one token step
+            limits = Limits(max_token_steps=limits.max_token_steps, max_jumps=limits.max_jumps,
+                            max_jumps_per_step=max(1, limits.max_jumps))
         runner = HybridAgent(model, reg, kernel=kernel, limits=limits, tool_choice=tool_choice, seed=seed,
-                             record_states=states, controllers=controllers)
+                             record_states=states, controllers=controllers, parallel_tool_calls=parallel,
+                             context=context_policy)
         arc = runner.run(task, trace=trace_path)
     if as_json:
         click.echo(json.dumps(arc.to_dict(), ensure_ascii=False))
@@ -569,6 +643,10 @@ def _check_replayable(file) -> None:
     if start is None:
         raise InputError(f"{file}: no start event, cannot replay")
     check_event(start, f"{file}: start event", "replayable_start")
+    names = [t.get("name") for t in start["tools"]]
+    if start["tool_choice"] not in ("auto", "required", "none", *names):
+        raise InputError(f"{file}: start event: field 'tool_choice' is {start['tool_choice']!r}: expected auto, "
+                         f"required, none or one of the tools {names[:8]}")
     for field, cls in (("kernel", Kernel), ("limits", Limits)):
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(start[field]) - known)

@@ -11,11 +11,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 from hybridlm.errors import InputError, ModelNotFoundError
@@ -89,33 +87,17 @@ class Tokenizer:
 
 
 class TokenTable:
-    """The text of every token and the masks the grammar needs, computed once per tokenizer."""
+    """The text of every token as it decodes alone, and which tokens start with or contain a text,
+    computed once per tokenizer (what barriers, objectives and the agent's masks read)."""
 
     def __init__(self, tokenizer) -> None:
         V = tokenizer.vocab_size
         special = set(tokenizer.backend.get_added_tokens_decoder()) if hasattr(tokenizer.backend, "get_added_tokens_decoder") else set()
         texts = tokenizer.backend.decode_batch([[i] for i in range(V)], skip_special_tokens=False)
         self.texts = ["" if i in special else s for i, s in enumerate(texts)]
-        self.by_text: dict[str, list[int]] = {}
-        for i, s in enumerate(self.texts):
-            if s and "\ufffd" not in s:
-                self.by_text.setdefault(s, []).append(i)
-        ok = [bool(s) and "\ufffd" not in s for s in self.texts]
-        self.string_body = torch.tensor(
-            [ok[i] and not any(c in s for c in '"\\') and all(ord(c) >= 0x20 for c in s) for i, s in enumerate(self.texts)]
-        )
-        self.digits = torch.tensor([ok[i] and s.isascii() and s.isdigit() for i, s in enumerate(self.texts)])
         self.size = V
         self._starting: dict[str, list[int]] = {}
         self._containing: dict[str, list[int]] = {}
-        self._charsets: dict[str, torch.Tensor] = {}
-
-    def prefixes(self, text: str, head: str = "") -> list[int]:
-        """Tokens whose text is head + a non-empty-or-empty prefix of text (head + text[:n], n ≥ 0)."""
-        out: list[int] = []
-        for n in range(0 if head else 1, len(text) + 1):
-            out += self.by_text.get(head + text[:n], [])
-        return out
 
     def starting_with(self, text: str) -> list[int]:
         """Tokens whose text starts with `text` (a scan of the vocabulary, cached)."""
@@ -127,19 +109,6 @@ class TokenTable:
         if text not in self._containing:
             self._containing[text] = [i for i, s in enumerate(self.texts) if text in s]
         return self._containing[text]
-
-    def charset(self, cls: str) -> torch.Tensor:
-        """Tokens all of whose characters belong to the regex class [cls] (cached)."""
-        if cls not in self._charsets:
-            rx = re.compile(f"[{cls}]+")
-            self._charsets[cls] = torch.tensor([bool(s) and rx.fullmatch(s) is not None for s in self.texts])
-        return self._charsets[cls]
-
-    def mask(self, ids: list[int]) -> torch.Tensor:
-        m = torch.zeros(self.size, dtype=torch.bool)
-        if ids:
-            m[torch.tensor(ids)] = True
-        return m
 
 
 def byte_level_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], special: Sequence[str]) -> HFTokenizer:

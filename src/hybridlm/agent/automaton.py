@@ -23,14 +23,15 @@ several tasks on one engine, and the others keep generating meanwhile.
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from hybridlm.agent.grammar import OPEN, CallGrammar, FreeCall
 from hybridlm.agent.protocol import Protocol
 from hybridlm.agent.tools import Observation, Tool, ToolRegistry
+from hybridlm.constraints import CLOSE, OPEN, parse_calls, tool_call_constraint
 from hybridlm.engine.arc import HybridArc, Termination
 from hybridlm.engine.engine import Engine
 from hybridlm.engine.inputs import ControlLoop
@@ -85,52 +86,82 @@ class Arc:
         )
 
 
-class CallConstraint:
-    """A tool call's grammar as the engine's constraint: its mask M_t, fed the text of each token."""
+class FreeTurn:
+    """An unconstrained turn (a baseline): nothing is masked; the calls the model writes are parsed
+    when it closes one (or the turn ends), and a malformed call comes back as an error observation."""
 
-    def __init__(self, grammar, tokenizer) -> None:
-        self.grammar = grammar
-        self.table = tokenizer.table
-        self.stop_ids = tokenizer.stop_ids()
+    def __init__(self, tokenizer, *, text: str = "") -> None:
+        self.tokenizer, self.stop_ids = tokenizer, tokenizer.stop_ids()
+        self.tokens: list[int] = []
+        self.prefix, self.ended = text, False  # (a call forced open enters the prompt as text)
 
-    def mask(self) -> torch.Tensor | None:
-        return self.grammar.allowed()
+    def mask(self) -> None:
+        return None
 
     def advance(self, token: int) -> None:
-        if token in self.stop_ids:  # only an unconstrained call can be cut short so
-            self.grammar.ended = True
+        if token in self.stop_ids:
+            self.ended = True
         else:
-            texts = self.table.texts
-            self.grammar.feed(texts[token] if token < len(texts) else "")
+            self.tokens.append(int(token))
+
+    @property
+    def text(self) -> str:
+        return self.prefix + self.tokenizer.decode(self.tokens)
+
+    @property
+    def in_call(self) -> bool:
+        text = self.text
+        return text.rfind(OPEN) > text.rfind(CLOSE)
 
     @property
     def finished(self) -> bool:
-        return self.grammar.done
+        return self.ended or CLOSE in self.text
+
+    def parsed(self) -> tuple[list, str | None]:
+        return parse_calls(self.text)
+
+    def calls(self) -> list:
+        return self.parsed()[0]
 
     def describe(self) -> dict:
-        return {"constraint": "tool_call", "grammar": type(self.grammar).__name__}
+        return {"kind": "free_turn"}
 
 
 class AgentSystem(HybridSystem):
-    """H = (C, f, D, g) of the agent for one model, tool registry and tool choice."""
+    """H = (C, f, D, g) of the agent for one model, tool registry and tool choice. Each turn of the
+    assistant has one constraint (hybridlm.constraints.tool_call_constraint): free text, or a call
+    of an offered tool with arguments of its schema, opened lazily in "auto"."""
 
     def __init__(self, agent: "HybridAgent") -> None:
         self.agent = agent
         self.tokenizer = agent.tokenizer
+
+    def turn(self, s, *, first: bool):
+        """The constraint of the turn that starts now (the first turn follows the tool choice)."""
+        agent, lim = self.agent, s.limits
+        left = min(lim.max_jumps - s.k, lim.max_jumps_per_step)
+        if not agent.constrain:
+            return FreeTurn(self.tokenizer, text=OPEN if first and agent.tool_choice == "required" else "")
+        choice = agent.tool_choice if first else "auto"
+        if left <= 0 or agent.tool_choice == "none":
+            choice = "none"
+        return tool_call_constraint(self.tokenizer, agent.tools, choice, parallel=agent.parallel and left > 1,
+                                    max_calls=left if agent.parallel and left > 1 else None,
+                                    budget=max(1, lim.max_token_steps - s.t), vocab_size=agent.vocab_size)
 
     # ------------------------------------------------------------------ C and f
     def flow_set(self, s) -> bool:
         return s.finished is False
 
     def controlled(self, s) -> bool:
-        return s.constraint is None  # free text: the controllers act; inside a call the grammar does
+        return not s.constraint.in_call  # free text: the controllers act; inside a call the constraint does
 
     def phase_of(self, s) -> str:
-        return "constrained" if s.constraint is not None and self.agent.constrain else "decode"
+        return "constrained" if s.constraint.in_call and self.agent.constrain else "decode"
 
     def flow_mask(self, s) -> torch.Tensor | None:
-        """When no jump is allowed, remove the tokens that would complete an opening <tool_call>."""
-        if s.constraint is not None or self._may_jump(s):
+        """Unconstrained, when no jump is allowed: remove the tokens that would complete an opening <tool_call>."""
+        if self.agent.constrain or s.constraint.in_call or self._may_jump(s):
             return None
         table = self.tokenizer.table
         turn_text = self.tokenizer.decode(s.turn)
@@ -145,55 +176,62 @@ class AgentSystem(HybridSystem):
         return allowed
 
     def flowed(self, s, token: int) -> None:
-        """A stop token outside a call finishes the answer; an opened call gets its constraint."""
-        if s.constraint is not None:
-            return
-        if token in s.stop_ids:
+        """A stop token outside a call finishes the answer."""
+        if token in s.stop_ids and not self.jump_set(s):
             s.finished = Termination.STOP_TOKEN
-            return
-        if self._may_jump(s):
-            turn_text = self.tokenizer.decode(s.turn)
-            if OPEN in turn_text:  # the model opened a call by itself: constrain what follows
-                agent = self.agent
-                grammar = CallGrammar(agent.tools, self.tokenizer.table, opened=True) if agent.constrain else FreeCall()
-                grammar.text = OPEN
-                try:
-                    grammar.feed(turn_text[turn_text.index(OPEN) + len(OPEN):])
-                except ValueError:
-                    grammar.segments.clear()  # malformed: D is reached, g reports the error
-                s.constraint = CallConstraint(grammar, self.tokenizer)
 
     def _may_jump(self, s) -> bool:
         return self.agent.tool_choice != "none" and s.jumps_allowed
 
     # ------------------------------------------------------------------ D and g
     def jump_set(self, s) -> bool:
-        return s.constraint is not None and s.constraint.finished
+        """The turn's constraint is finished and holds calls (or, unconstrained, a call that did not parse)."""
+        c = s.constraint
+        if not c.finished:
+            return False
+        if isinstance(c, FreeTurn):
+            return OPEN in c.text
+        return bool(c.calls())
 
     def jump(self, s):
-        grammar = s.constraint.grammar
-        s.constraint = None
-        s.call = grammar
-        try:
-            name, arguments = grammar.parsed()
-        except (ValueError, KeyError, TypeError) as exc:
-            obs = Observation(f"error: malformed tool call ({exc})", "malformed_call")
-            return lambda: (grammar.name or "?", grammar.call_json, obs)
-        replayed = self.agent._replayed(s)
-        if replayed is not None:
-            return lambda: (name, arguments, replayed)
-        tools = self.agent.tools
-        return lambda: (name, arguments, tools.call(name, arguments))
+        c = s.constraint
+        s.call = c
+        if isinstance(c, FreeTurn):
+            calls, error = c.parsed()
+            if error is not None:  # the first bad call, after the good ones, reports what is wrong
+                bad = Observation(f"error: malformed tool call ({error})", "malformed_call")
+                calls = [*calls, ("?", c.text.rsplit(OPEN, 1)[-1].split(CLOSE)[0], bad)]
+        else:
+            calls = c.calls()
+        calls = [call if isinstance(call, tuple) else (call.name, call.arguments, None) for call in calls]
+        agent = self.agent
+        replayed = [agent._replayed(s, s.k + i) for i in range(len(calls))]
 
-    def landed(self, s, result) -> list[int]:
-        name, arguments, obs = result
-        s.count_jump()
-        s.emit("jump", id=f"call-{s.name}-{s.k}", tool=name, arguments=arguments, observation=obs.text,
-               error=obs.error, duration_s=obs.duration_s, server=self._server(name))
-        grammar = s.call
-        s.messages.append({"role": "assistant", "content": grammar.text})
-        enc = self.agent.protocol.observation_ids(s.messages, obs.text, turn_closed=getattr(grammar, "ended", False))
-        s.messages.append({"role": "tool", "content": obs.text})
+        def work():
+            """The calls of the turn, run side by side in wall time; their observations in order."""
+            def one(i):
+                name, arguments, given = calls[i]
+                return given or replayed[i] or agent.tools.call(name, arguments)
+
+            if len(calls) == 1:
+                return [(calls[0][0], calls[0][1], one(0))]
+            with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+                return [(c[0], c[1], obs) for c, obs in zip(calls, pool.map(one, range(len(calls))))]
+
+        return work
+
+    def landed(self, s, results) -> list[int]:
+        for name, arguments, obs in results:
+            s.count_jump()
+            s.emit("jump", id=f"call-{s.name}-{s.k}", tool=name, arguments=arguments, observation=obs.text,
+                   error=obs.error, duration_s=obs.duration_s, server=self._server(name))
+        c = s.call
+        closed = bool(s.turn) and s.turn[-1] in s.stop_ids  # the model closed its turn itself
+        s.messages.append({"role": "assistant", "content": c.text})
+        observations = [obs.text for _, _, obs in results]
+        enc = self.agent.protocol.observation_ids(s.messages, observations, turn_closed=closed)
+        s.messages += [{"role": "tool", "content": text} for text in observations]
+        s.constraint = self.turn(s, first=False)
         return enc
 
     def _server(self, name: str) -> str | None:
@@ -212,14 +250,14 @@ class AgentSystem(HybridSystem):
         jumps = [Jump(e.k, e.t, e["tool"], e["arguments"], e["observation"], e["error"], e["duration_s"])
                  for e in arc.of("jump")]
         s.result = Arc(
-            task=s.task, answer=self._answer(s),
-            stop_reason=arc.termination.value, token_steps=s.t, jumps=jumps,
+            task=s.task, answer=self._answer(s), stop_reason=arc.termination.value, token_steps=s.t, jumps=jumps,
             wall_generate_s=arc.wall_in("q_G"), wall_external_s=arc.wall_in("q_E"), generated_ids=list(s.generated),
             trace=s.trace_path, control=[{"t": e.t, "k": e.k, **e.data} for e in arc.of("control")], hybrid=arc)
 
     def describe(self, s) -> dict:
         agent = self.agent
         return {"system": "agent", "task": s.task, "tool_choice": agent.tool_choice, "constrain": agent.constrain,
+                "parallel_tool_calls": agent.parallel,
                 "tools": [{**t.schema(), **({"server": t.server} if t.server else {})} for t in agent.tools]}
 
 
@@ -238,18 +276,21 @@ class HybridAgent:
         example: bool = True,
         record_states: bool = False,
         constrain: bool = True,
+        parallel_tool_calls: bool = False,
         controllers=None,
         context: ContextPolicy | str = ContextPolicy(),
         prefix_cache: PrefixCache | None = None,
     ) -> None:
-        if tool_choice not in TOOL_CHOICES:
-            raise InputError(f"tool choice {tool_choice!r}: expected one of {TOOL_CHOICES}")
+        if tool_choice not in TOOL_CHOICES and tool_choice not in tools:
+            raise InputError(f"tool choice {tool_choice!r}: expected one of {TOOL_CHOICES} or an offered tool's name")
         if getattr(model, "tokenizer", None) is None:
             raise InputError("the agent needs a model with a tokenizer and a chat template")
         self.model, self.tools, self.kernel, self.limits = model, tools, kernel, limits
         self.tool_choice = tool_choice if tools.tools else "none"
         self.seed = seed
         self.constrain = constrain
+        self.parallel = parallel_tool_calls  # several calls in a turn (each a jump, observations in order)
+        self.vocab_size = model.config.vocab_size
         self.record_states = record_states and hasattr(model, "hooks")
         self.tokenizer = model.tokenizer
         self.protocol = Protocol(self.tokenizer, tools, example=example)
@@ -301,13 +342,8 @@ class HybridAgent:
             raise InputError("empty task: give the agent something to do")
         messages = self.protocol.messages(task)
         prompt, marks = self.protocol.prompt_ids_and_marks(messages)  # (the last mark: where the shared part ends)
-        constraint = None
-        if self.tool_choice == "required":  # a call segment forced open at the start of the turn
-            if self.constrain:
-                constraint = CallConstraint(CallGrammar(self.tools, self.tokenizer.table, opened=False), self.tokenizer)
-            else:
-                prompt = prompt + self.tokenizer.encode(OPEN)  # the opening enters as part of the prefill
-                constraint = CallConstraint(FreeCall(), self.tokenizer)
+        if self.tool_choice == "required" and not self.constrain:
+            prompt = prompt + self.tokenizer.encode(OPEN)  # the call forced open enters as part of the prefill
         controls = None
         if self.controllers:
             controls = ControlLoop(self.model, self.controllers, kernel=self.kernel, stop_ids=self.stop_ids,
@@ -317,16 +353,17 @@ class HybridAgent:
             observers.append(TraceWriter(trace))
             if self.record_states:
                 observers.append(StateRecorder(self.model, Path(trace).with_suffix(".safetensors")))
-        return ArcState(self.system, prompt, kernel=self.kernel, seed=self.seed if seed is None else seed,
-                        limits=self.limits, constraint=constraint, controls=controls, stop_ids=self.stop_ids,
-                        observers=observers, messages=messages, marks=tuple(marks[-1:]), task=task,
-                        trace_path=str(trace) if trace else None)
+        s = ArcState(self.system, prompt, kernel=self.kernel, seed=self.seed if seed is None else seed,
+                     limits=self.limits, controls=controls, stop_ids=self.stop_ids, observers=observers,
+                     messages=messages, marks=tuple(marks[-1:]), task=task, trace_path=str(trace) if trace else None)
+        s.constraint = self.system.turn(s, first=True)
+        return s
 
-    def _replayed(self, s) -> Observation | None:
-        """The recorded observation of this jump, when replaying a trace."""
+    def _replayed(self, s, k: int) -> Observation | None:
+        """The recorded observation of the jump that makes k + 1 jumps, when replaying a trace."""
         if self.replay is None:
             return None
-        recorded = self.replay[s.k] if s.k < len(self.replay) else None
+        recorded = self.replay[k] if k < len(self.replay) else None
         if recorded is None:
             return Observation("error: the replayed trace has no observation for this jump", "replay")
         return Observation(recorded["observation"], recorded.get("error"), recorded.get("duration_s", 0.0))
@@ -355,6 +392,7 @@ def replay(trace_path: str | Path, model) -> tuple[Arc, bool, int | None]:
         tools.register(Tool(schema["name"], schema["description"], schema["parameters"], _not_called))
     agent = HybridAgent(model, tools, kernel=Kernel(**start["kernel"]), limits=Limits(**start["limits"]),
                         tool_choice=start["tool_choice"], seed=start["seed"], constrain=start.get("constrain", True),
+                        parallel_tool_calls=start.get("parallel_tool_calls", False),
                         context=start.get("context") or ContextPolicy())
     agent.replay = [e for e in events if e["event"] == "jump"]
     arc = agent.run(start["task"])

@@ -346,19 +346,13 @@ def tool_registry(tools: str = "calculator", *, kb: str | Path | None = None, mc
 
 
 def without_grammar(reg: ToolRegistry, tokenizer) -> dict[str, str]:
-    """The tools whose arguments the constrained call grammar cannot write yet, and why.
-
-    Today's grammar covers required string, number, integer and boolean arguments; an MCP
-    tool with an object or array argument would stop a constrained run at its first call.
-    """
-    from hybridlm.agent.grammar import CallGrammar
+    """The tools whose argument schemas the call constraint cannot compile, and why (one line each)."""
+    from hybridlm.constraints import tool_call_constraint
 
     missing = {}
     for t in reg:
-        grammar = CallGrammar(ToolRegistry({t.name: t}), tokenizer.table)
         try:
-            grammar.feed('{"name": "')
-            grammar.allowed()  # at the name: builds the argument segments of the tool
-        except ValueError as exc:
+            tool_call_constraint(tokenizer, [t], "required")
+        except InputError as exc:
             missing[t.name] = str(exc)
     return missing

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-from hybridlm.agent.grammar import CLOSE, OPEN
+from hybridlm.constraints import CLOSE, OPEN
 from hybridlm.agent.tools import ToolRegistry
 
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -84,16 +84,21 @@ class Protocol:
                 marks.append(len(head))
         return ids, marks
 
-    def observation_ids(self, messages: list[dict], observation: str, *, turn_closed: bool = False) -> list[int]:
-        """enc(y): close the assistant turn, the tool turn with y, open the next assistant turn.
+    def observation_ids(self, messages: list[dict], observations: str | list[str], *,
+                        turn_closed: bool = False) -> list[int]:
+        """enc(y): close the assistant turn, a tool turn with each observation y (in the order of the
+        calls), open the next assistant turn.
 
-        `messages` ends with the assistant turn that made the call; `turn_closed` says the
-        model already emitted the end-of-turn token (an unconstrained call cut short).
+        `messages` ends with the assistant turn that made the call(s); `turn_closed` says the
+        model already emitted the end-of-turn token (an unconstrained call cut short, or a turn
+        of parallel calls).
         """
         tok = self.tokenizer
+        if isinstance(observations, str):
+            observations = [observations]
         before = tok.render_chat(messages, add_generation_prompt=False)
-        tool_turn = {"role": "tool", "content": f"{RESPONSE_OPEN}{observation}{RESPONSE_CLOSE}"}
-        after = tok.render_chat([*messages, tool_turn], add_generation_prompt=True)
+        tool_turns = [{"role": "tool", "content": f"{RESPONSE_OPEN}{y}{RESPONSE_CLOSE}"} for y in observations]
+        after = tok.render_chat([*messages, *tool_turns], add_generation_prompt=True)
         if not after.startswith(before):
             raise ValueError("the chat template does not render conversations as growing prefixes")
         # `before` ends with the rendered end of the assistant turn, which the model has not

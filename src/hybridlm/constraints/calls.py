@@ -120,6 +120,10 @@ class ToolCallConstraint(GrammarConstraint):
         text = self.text
         return text.rfind(OPEN) > text.rfind(CLOSE)
 
+    def _closing_token(self) -> int | None:
+        """The budget closes an open call in time; free text ends at the solver's token budget instead."""
+        return super()._closing_token() if self.in_call else None
+
     def calls(self) -> list[ToolCall]:
         """The calls written so far (complete ones only), in order."""
         text = self.text

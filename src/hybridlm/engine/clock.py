@@ -93,11 +93,12 @@ def token_clock(model, prompt_ids: Iterable[int] | torch.Tensor, *, kernel: Kern
     """
     s = sequence(model, prompt_ids, kernel=kernel, max_new_tokens=max_new_tokens, seed=seed, stop_ids=stop_ids,
                  controllers=controllers, constraint=constraint)
-    yield from _run(model, s, state, context)
+    yield from stream(model, s, state=state, context=context)
 
 
-def _run(model, s: ArcState, state, context) -> Iterator[TokenStep]:
-    """Step an engine holding the one sequence s, streaming its TokenSteps; its error is raised."""
+def stream(model, s: ArcState, *, state=None, context: ContextPolicy | str = ContextPolicy()) -> Iterator[TokenStep]:
+    """Step an engine holding the one sequence s, streaming its TokenSteps; its error is raised.
+    (`s.arc` holds the whole arc afterwards, its termination cause included.)"""
     if state is not None:
         if s.controls is not None and s.controls.prefix is not None:
             raise InputError("a soft prefix enters at the prefill: pass the prompt, not a prefilled state")
@@ -131,7 +132,7 @@ def steps_of(events) -> Iterator[TokenStep]:
 def generate(model, prompt_ids, *, state=None, context: ContextPolicy | str = ContextPolicy(), **kwargs) -> Generation:
     """Run the recursion to its end and collect the steps (the arguments of `token_clock`)."""
     s = sequence(model, prompt_ids, **kwargs)
-    steps = list(_run(model, s, state, context))
+    steps = list(stream(model, s, state=state, context=context))
     return Generation(prompt_ids=list(s.prompt), steps=steps, stop_reason=s.arc.termination.value, arc=s.arc)
 
 

@@ -77,8 +77,8 @@ class ArcState:
     trace_path: str | None = None  # where its trace is written, if anywhere
 
     def __post_init__(self) -> None:
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
-            raise InputError(f"seed {self.seed!r}: expected an integer in [0, 2^63)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+            raise InputError(f"seed {self.seed!r}: expected an integer 0 ≤ seed ≤ 2^64 − 1")
         if not self.name:
             self.name = f"seq-{next(_ids)}"
 
