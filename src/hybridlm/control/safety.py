@@ -165,8 +165,10 @@ class HiddenBarrier(Barrier):
             kept["h"] = h[:, -1]
 
         L = self.model.config.n_layer
+        fork = ForkedState(x, cand.numel())
         with self.model.hooks([(self.point, keep)]):  # the blocks up to the point, nothing after
-            self.model(cand[:, None], ForkedState(x, cand.numel()), layers=min(self.layer + 1, L), logits=False)
+            self.model(cand[:, None], fork, layers=min(self.layer + 1, L), logits=False)
+        x.successors = fork  # the step that follows adopts the chosen candidate's rows (DecoderLM.step)
         ok = torch.as_tensor(self.classifier(kept["h"])).reshape(-1) >= 0
         unsafe[0, cand[ok]] = False
         return unsafe

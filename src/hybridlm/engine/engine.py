@@ -286,6 +286,7 @@ class Engine:
             return
         rebuilds = [getattr(s.x, "rebuilds", 0) for s in batch]
         tokens = [w for w, _ in draws]
+        self._keep_forks(batch)
         with self._inputs(batch):
             step = getattr(model, "step", None)
             if step is not None:
@@ -336,6 +337,23 @@ class Engine:
         w, logprob = s.kernel.sample_with_logprob(z, s.generator)
         return int(w[0]), float(logprob[0]), recs
 
+    def _keep_forks(self, batch: list[ArcState]) -> None:
+        """A state may carry the fork of its successors a barrier computed (the step then adopts the
+        chosen one); not where a hook would watch that step: the caller's own hooks, or the
+        sequence's (its residual inputs, its recorders), which a step without a forward would miss."""
+        if not any(getattr(s.x, "successors", None) is not None for s in batch):
+            return
+        points = getattr(self.model, "hook_points", None)
+        global_hooks = points is not None and any(p.active for p in points.values())
+        for s in batch:
+            if getattr(s.x, "successors", None) is not None and (global_hooks or self._hook_pairs(s)):
+                s.x.successors = None
+
+    def _hook_pairs(self, s: ArcState) -> list:
+        if id(s) not in self._hooks:
+            self._hooks[id(s)] = s.hook_pairs(self.model)
+        return self._hooks[id(s)]
+
     # ------------------------------------------------------------------ inputs on the state
     @contextlib.contextmanager
     def _inputs(self, seqs: list[ArcState]):
@@ -345,9 +363,7 @@ class Engine:
         ctx = getattr(model, "hook_ctx", None)
         groups: dict[tuple, set] = {}
         for s in seqs:
-            if id(s) not in self._hooks:
-                self._hooks[id(s)] = s.hook_pairs(model)
-            for point, fn in self._hooks[id(s)]:
+            for point, fn in self._hook_pairs(s):
                 groups.setdefault((point, fn), set()).add(s)
         if ctx is not None:
             ctx.rows = list(seqs)

@@ -147,6 +147,7 @@ class Attention(DirectModule):
             qk = rotary(torch.cat([q, k], dim=2), pos)
             q, k = qk[:, :, :H], qk[:, :, H:]
         n = fork.n
+        fork.write(self.layer, k[:, 0], v[:, 0])
         first = n + 1 - self.window if self.window is not None and n + 1 > self.window else 0
         K = fork.parent.keys(self.layer)[0, :, first:]  # [H_kv, n − first, d]
         V = fork.parent.values(self.layer)[0, :, first:]

@@ -32,7 +32,7 @@ from hybridlm.lm.linear import affine, column_major_zeros
 from hybridlm.lm.mlp import make_mlp
 from hybridlm.lm.norm import make_norm
 from hybridlm.lm.positions import LearnedPositions, Rotary
-from hybridlm.lm.state import KVState, StateBatch
+from hybridlm.lm.state import ForkedState, KVState, StateBatch
 
 
 class Block(DirectModule):
@@ -238,6 +238,8 @@ class DecoderLM(StateSpaceForm, HookedModule, Recordable):
             h = block(h, pos, state, rotary)
         if state is not None:
             state.commit(ids if prefix is None else torch.cat([ids.new_full((ids.shape[0], p), -1), ids], dim=1))
+        if isinstance(state, ForkedState) and layers in (None, self.config.n_layer):
+            state.final = h[:, -1]
         h = h[:, -1:] if last_only else h
         return self.readout(h) if logits else h
 
@@ -253,8 +255,10 @@ class DecoderLM(StateSpaceForm, HookedModule, Recordable):
         w = [int(token) for token in w]
         check_tokens(w, self.config.vocab_size)
         T = self.config.n_ctx
-        rows = [b for b, x in enumerate(states) if isinstance(x, KVState) and x.batch == 1 and x.n < T]
-        for b in sorted(set(range(len(states))) - set(rows)):
+        adopted = self._adopt(states, w)
+        rows = [b for b, x in enumerate(states) if isinstance(x, KVState) and x.batch == 1 and x.n < T
+                and b not in adopted]
+        for b in sorted(set(range(len(states))) - set(rows) - adopted):
             self.F(states[b], [w[b]])
         if rows:
             batch = StateBatch([states[b] for b in rows])
@@ -264,6 +268,22 @@ class DecoderLM(StateSpaceForm, HookedModule, Recordable):
             for i, b in enumerate(rows):
                 states[b].logits = z[i : i + 1].clone()
         return states
+
+    def _adopt(self, states: list, w: list[int]) -> set[int]:
+        """The states whose chosen successor a fork already computed (a hidden-state barrier's
+        candidates): its rows are adopted, and only its readout is taken. (The hook points do
+        not fire for such a step: the engine keeps no fork where a hook would watch it.)"""
+        forks = [b for b, x in enumerate(states) if getattr(x, "successors", None) is not None]
+        done = set()
+        for b in forks:
+            x = states[b]
+            fork, x.successors = x.successors, None
+            if fork.parent is x and fork.adopt(w[b]):
+                i = fork.tokens.index(w[b])
+                with torch.inference_mode():
+                    x.logits = self.readout(fork.final[i : i + 1][:, None])[:, -1].clone()
+                done.add(b)
+        return done
 
     def _forward_rows(self, ids: torch.Tensor, batch: StateBatch) -> torch.Tensor:
         """The logits [B, V] of one new token per state of a ragged batch (row b at position n_b)."""

@@ -46,6 +46,7 @@ class KVState:
         self.tokens = torch.zeros(batch, 0, dtype=torch.long, device=device)
         self.logits: torch.Tensor | None = None  # z: readout at the last position, [B, V]
         self.rebuilds = 0  # how many times Π_T forced a re-prefill
+        self.successors: "ForkedState | None" = None  # a fork of the next step, computed for a barrier
 
     @property
     def kv(self) -> torch.Tensor:
@@ -196,11 +197,37 @@ class ForkedState:
             raise ValueError(f"the state holds T={parent.cfg.n_ctx} positions: no room for a successor")
         self.parent, self.batch, self.n = parent, k, parent.n
         self.cfg = parent.cfg
+        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer → the candidates' new (k, v) rows
+        self.tokens: list[int] = []  # the candidates, once committed by the forward
+        self.final: torch.Tensor | None = None  # their H⁽ᴸ⁾, [k, d], when every block ran
 
     def reserve(self, m: int) -> None:
         if m != 1:
             raise ValueError(f"a fork continues by one token, not {m}")
 
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep the candidates' new rows k, v ([k, H_kv, d_k], rotated) of a layer apart from the parent."""
+        self.rows[layer] = (k, v)
+
     def commit(self, w: torch.Tensor) -> None:
-        pass  # read-only: the parent is left as it was
+        self.tokens = [int(t) for t in w.reshape(-1)]  # the parent itself is left as it was
+
+    def complete(self) -> bool:
+        """Whether every layer's rows and the final state were computed (a successor can be adopted)."""
+        return self.final is not None and len(self.rows) == self.cfg.n_layer
+
+    def adopt(self, token: int) -> bool:
+        """x ← F(x, w) for a candidate w without computing it again: its rows of every layer enter the
+        parent at position n. False when w is not a candidate or the fork is incomplete."""
+        if token not in self.tokens or not self.complete() or self.parent.n != self.n:
+            return False
+        i = self.tokens.index(token)
+        x = self.parent
+        x.reserve(1)
+        for layer, (k, v) in self.rows.items():
+            K, V = x.layer_buffers(layer)
+            K[0, :, self.n] = k[i]
+            V[0, :, self.n] = v[i]
+        x.commit(torch.tensor([[token]], dtype=torch.long, device=x.device))
+        return True
 
