@@ -177,9 +177,12 @@ class HybridRunner:
         for f in task.functions:
             tools.register(Tool(f["name"], f.get("description", ""), json_schema(f["parameters"]), _answered,
                                 runs_in="thread"))
-        calls = PARALLEL_HORIZON if task.category == "parallel" else 1
+        parallel = task.category == "parallel"  # several calls in the one turn: jumps at one token step
+        calls = PARALLEL_HORIZON if parallel else 1
         agent = HybridAgent(self.model, tools, tool_choice="required", constrain=self.constrained,
-                            limits=Limits(max_token_steps=self.max_token_steps * min(calls, 2), max_jumps=calls))
+                            parallel_tool_calls=parallel,
+                            limits=Limits(max_token_steps=self.max_token_steps * min(calls, 2), max_jumps=calls,
+                                          max_jumps_per_step=calls))
         arc = agent.run(task.question)
         return [{j.tool: j.arguments} for j in arc.jumps if isinstance(j.arguments, dict)]
 
