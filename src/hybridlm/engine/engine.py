@@ -76,7 +76,7 @@ class Engine:
         self._wake = threading.Event()
         self._workers = workers
         self._pool: cf.ThreadPoolExecutor | None = None
-        self._hooks: dict[int, list] = {}  # per sequence: its controllers' residual inputs
+        self._hooks: dict[int, list] = {}  # per sequence: the hooks on its rows (residual inputs, probes)
 
     # ------------------------------------------------------------------ the population
     def add(self, s: ArcState) -> ArcState:
@@ -170,6 +170,8 @@ class Engine:
                 if s in self.waiting:
                     self.waiting.remove(s)
         for s in gone:
+            if s.done:
+                continue
             if s in self.external:
                 self.external.remove(s)
                 s.pending.cancel()
