@@ -246,7 +246,7 @@ def test_hub_config_errors(tmp_path):
         gptneo_config({**hf, "attention_types": [["global", 12]]})
     with pytest.raises(ConfigError, match="names 6 blocks but n_layer=12"):
         gptneo_config({**hf, "attention_types": [[["global", "local"], 3]]})
-    with pytest.raises(ConfigError, match="lacks the GPT-Neo field 'num_heads'"):
+    with pytest.raises(ConfigError, match="lacks the field 'num_heads'"):
         gptneo_config({k: v for k, v in hf.items() if k != "num_heads"})
     with pytest.raises(ConfigError, match="cannot express"):
         gptneo_hub_config(PRESETS["gpt-neo-125m"].replace(attn_scale=None))
