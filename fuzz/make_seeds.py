@@ -107,6 +107,12 @@ def main() -> None:
     for i, kb in enumerate([{"Boiling point of water": "100 °C", "pi": 3.14159},
                             {"nothing": None, "list": [1, [2, [3]]], "obj": {"a": {"b": True}}}]):
         write("knowledge_base", f"kb{i}.json", json.dumps(kb, ensure_ascii=False).encode())
+    # FuzzedDataProvider reads a length, then text, then token choices: any bytes are an input;
+    # these start the search near real turns
+    for i, turn in enumerate(['<tool_call>{"name": "f", "arguments": {"n": -3, "xs": [1.5, 2]}}</tool_call>',
+                              '<tool_call>{"name": "g", "arguments": {"e": "上海"}}</tool_call> done',
+                              'The answer is 4.', '<tool_call>{"name": "f", "arguments": {"n": [[[[]]]]}']):
+        write("call_parser", f"turn{i}.txt", bytes([200, 0]) + turn.encode())
 
 
 if __name__ == "__main__":

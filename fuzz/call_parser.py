@@ -4,17 +4,18 @@ Free: any text between <tool_call> and </tool_call> gives calls or one error lin
 exception. Constrained: tokens chosen by the fuzzer among those the mask allows always parse
 into calls whose arguments are what json reads from the text.
 
-    pip install atheris && python fuzz/fuzz_call_parser.py -max_total_time=60
+    python fuzz/call_parser.py fuzz_corpus/ -max_total_time=60   (see fuzz/README.md)
 """
 
 import json
-import sys
 
 import atheris
 
 with atheris.instrument_imports(include=["hybridlm"]):
     from hybridlm.constraints import CLOSE, OPEN, parse_calls, tool_call_constraint
     from hybridlm.tokenizer import gpt2_tokenizer
+
+from common import run
 
 TOKENIZER = gpt2_tokenizer()
 TOOLS = [
@@ -45,5 +46,4 @@ def test_one_input(data: bytes) -> None:
 
 
 if __name__ == "__main__":
-    atheris.Setup(sys.argv, test_one_input)
-    atheris.Fuzz()
+    run(test_one_input)
