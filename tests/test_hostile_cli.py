@@ -172,6 +172,17 @@ def test_unknown_kinds_and_fields_are_accepted(tmp_path):
     assert r.exit_code == 0, r.output
 
 
+def test_token_events_without_text_are_shown(tmp_path):
+    # found by fuzz/trace_reader.py: the schema lets a token carry no text (or null); the timeline took it as given
+    path = write_lines(tmp_path / "t.jsonl", {"event": "start", **BASE, "task": "x"},
+                       {"event": "token", "t": 1, "k": 0, "wall_s": 0.1, "token": 27},
+                       {"event": "token", "t": 2, "k": 0, "wall_s": 0.2, "token": 28, "text": None},
+                       {"event": "token", "t": 3, "k": 0, "wall_s": 0.3, "token": 29, "text": "ok"})
+    for args in (["trace", "show", str(path)], ["trace", "show", "--tokens", str(path)]):
+        r = CliRunner().invoke(cli, args)
+        assert r.exit_code == 0 and "ok" in r.output, r.output
+
+
 def test_binary_file_is_one_line(tmp_path):
     path = tmp_path / "junk.jsonl"
     path.write_bytes(bytes(range(256)) * 64)

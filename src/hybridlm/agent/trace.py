@@ -121,9 +121,9 @@ def format_timeline(events: list[dict], *, tokens: bool = False) -> str:
         stamp = f"t={e.get('t', 0):<4} k={e.get('k', 0):<2} {_seconds(e.get('wall_s'), 7, 2)}s"
         if kind == "token":
             if tokens:
-                lines.append(f"{stamp} │   token {e['token']:>6} {e['text']!r}")
+                lines.append(f"{stamp} │   token {e['token']:>6} {e.get('text')!r}")
             else:
-                text.append(e["text"])
+                text.append(e.get("text") or "")  # (the schema lets a token event carry no text)
         elif kind == "phase":
             flush_text()
             extra = f" ({e['tokens']} tokens)" if "tokens" in e else ""
