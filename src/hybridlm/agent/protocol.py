@@ -44,6 +44,13 @@ EXAMPLE = [
 ]
 
 
+def tools_prompt(schemas: list[dict]) -> str:
+    """The system prompt's tool part: the call format, the rules, and each tool's JSON schema
+    ({"name", "description", "parameters"}) on a line of its own."""
+    rule = CALCULATOR_RULE if any(s.get("name") == "calculator" for s in schemas) else ""
+    return SYSTEM + rule + TOOLS_HEADER + "\n".join(json.dumps(s) for s in schemas)
+
+
 def call_text(name: str, arguments: dict) -> str:
     return f"{OPEN}{json.dumps({'name': name, 'arguments': arguments})}{CLOSE}"
 
@@ -59,8 +66,7 @@ class Protocol:
     def system_prompt(self) -> str:
         if not self.tools.tools:
             return "You are a helpful assistant. Answer in one short sentence."
-        rule = CALCULATOR_RULE if "calculator" in self.tools else ""
-        return SYSTEM + rule + TOOLS_HEADER + "\n".join(json.dumps(t.schema()) for t in self.tools)
+        return tools_prompt([t.schema() for t in self.tools])
 
     def messages(self, task: str) -> list[dict]:
         msgs = [{"role": "system", "content": self.system_prompt()}]

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from hybridlm.constraints import library
-from hybridlm.constraints.grammar import GrammarConstraint
+from hybridlm.constraints.grammar import TAIL, GrammarConstraint, closing_witness
 from hybridlm.errors import InputError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -121,8 +121,15 @@ class ToolCallConstraint(GrammarConstraint):
         return text.rfind(OPEN) > text.rfind(CLOSE)
 
     def _closing_token(self) -> int | None:
-        """The budget closes an open call in time; free text ends at the solver's token budget instead."""
-        return super()._closing_token() if self.in_call else None
+        """The budget closes an open call in time; after a complete call, no further call opens in
+        the last TAIL tokens (it could not close); free text ends at the solver's token budget instead."""
+        if self.in_call:
+            return super()._closing_token()
+        left = self.remaining
+        if left is not None and left <= TAIL and self.parallel and CLOSE in self.text and not self.finished:
+            witness = closing_witness(self.matcher, self.lib, limit=left) if left else None
+            return witness[0] if witness else None
+        return None
 
     def calls(self) -> list[ToolCall]:
         """The calls written so far (complete ones only), in order."""

@@ -145,11 +145,20 @@ class Engine:
                control=s.controls.describe() if s.controls is not None else [], time_unix_ns=time.time_ns())
         s.enter_phase("prefill", tokens=len(s.prompt))
         t0 = time.perf_counter()
+        cache = self.prefix_cache
+        reused = cache.hit_tokens if cache is not None else 0
         try:
             if s.x is None:  # (a caller may hand over a state that holds the prompt already)
                 with self._inputs([s]):
-                    s.x = prefill(model, s.prompt, marks=s.marks, cache=self.prefix_cache,
+                    s.x = prefill(model, s.prompt, marks=s.marks, cache=cache,
                                   soft_prefix=None if s.controls is None else s.controls.prefix, policy=self.context)
+                s.cached_tokens = (cache.hit_tokens if cache is not None else 0) - reused
+            else:  # a continued state: it holds all but `resume` (e.g. the observations of a client's tools)
+                s.cached_tokens = len(s.prompt) - len(s.resume)
+                if s.resume:
+                    with self._inputs([s]):
+                        if inject(model, s.x, s.resume, policy=self.context):
+                            s.rebuilds += 1
             if s.controls is not None:
                 s.controls.start(s.prompt, s.x, s.limits.max_token_steps)
         except Exception as exc:  # noqa: BLE001 - the sequence ends with its error; the others go on
@@ -208,7 +217,10 @@ class Engine:
             except Exception as exc:  # noqa: BLE001
                 self._fail(s, exc)
                 continue
-            if in_D and s.jumps_allowed and (not in_C or self.priority is Priority.JUMPS):
+            if in_D and system.jumps_elsewhere(s):  # g runs elsewhere (a client's tool): the arc ends in D
+                self.active.remove(s)
+                self._end(s, Termination.JUMP_SET)
+            elif in_D and s.jumps_allowed and (not in_C or self.priority is Priority.JUMPS):
                 self._jump(s)
             elif in_C:
                 flowing.append(s)
@@ -277,17 +289,17 @@ class Engine:
         draws, records = [], []
         for s in list(batch):
             try:
-                w, logprob, recs = self._draw(s)
+                w, logprob, recs, seen = self._draw(s)
             except Exception as exc:  # noqa: BLE001
                 batch.remove(s)
                 self._fail(s, exc)
                 continue
-            draws.append((w, logprob))
+            draws.append((w, logprob, seen))
             records.append(recs)
         if not batch:
             return
         rebuilds = [getattr(s.x, "rebuilds", 0) for s in batch]
-        tokens = [w for w, _ in draws]
+        tokens = [w for w, _, _ in draws]
         self._keep_forks(batch)
         with self._inputs(batch):
             step = getattr(model, "step", None)
@@ -299,7 +311,7 @@ class Engine:
         self.stats.steps += 1
         self.stats.rows += len(batch)
         self.stats.tokens += len(batch)
-        for s, (w, logprob), recs, before in zip(batch, draws, records, rebuilds):
+        for s, (w, logprob, seen), recs, before in zip(batch, draws, records, rebuilds):
             s.t += 1
             for rec in recs:
                 s.emit("control", **rec)
@@ -312,7 +324,7 @@ class Engine:
             rebuilt = getattr(s.x, "rebuilds", 0) > before
             s.rebuilds += rebuilt
             s.emit("token", token=w, text=_text(model, w), logprob=round(logprob, 6), n=getattr(s.x, "n", None),
-                   rebuilt=rebuilt, stop=w in s.stop_ids, phase=s.phase)
+                   rebuilt=rebuilt, stop=w in s.stop_ids, phase=s.phase, **_model_logprobs(seen, w, s.logprobs))
             try:
                 s.system.flowed(s, w)
                 phase = s.system.phase_of(s)
@@ -323,9 +335,11 @@ class Engine:
                 s.enter_phase(phase)
         self.stats.wall_flow_s += time.perf_counter() - t0
 
-    def _draw(self, s: ArcState) -> tuple[int, float, list[dict]]:
-        """w_{t+1} ~ p_θ,u(· | s_t) for one row: its readout, its masks and controllers, its kernel."""
+    def _draw(self, s: ArcState) -> tuple[int, float, list[dict], torch.Tensor | None]:
+        """w_{t+1} ~ p_θ,u(· | s_t) for one row: its readout, its masks and controllers, its kernel.
+        The last item is the readout z_t before any input, when the sequence records log p_θ."""
         z = self.model.G(s.x)
+        seen = z if s.logprobs is not None else None
         masks = [m for m in (s.constraint.mask() if s.constraint is not None else None, s.system.flow_mask(s))
                  if m is not None]
         for m in masks:
@@ -337,7 +351,7 @@ class Engine:
         if masks and not bool(torch.isfinite(z).any()):
             raise InputError(f"token step {s.t + 1}: no token is allowed (every logit is masked)")
         w, logprob = s.kernel.sample_with_logprob(z, s.generator)
-        return int(w[0]), float(logprob[0]), recs
+        return int(w[0]), float(logprob[0]), recs, seen
 
     def _keep_forks(self, batch: list[ArcState]) -> None:
         """A state may carry the fork of its successors a barrier computed (the step then adopts the
@@ -378,6 +392,19 @@ class Engine:
         finally:
             if ctx is not None:
                 ctx.rows = None
+
+
+def _model_logprobs(z: torch.Tensor | None, w: int, k: int | None) -> dict:
+    """log p_θ(w | s_t) under the model's own kernel (τ = 1, no input) and its k most likely
+    tokens, for the token event; {} when not recorded."""
+    if z is None:
+        return {}
+    lp = torch.log_softmax(z[0].float(), dim=-1)
+    out = {"model_logprob": round(float(lp[w]), 6)}
+    if k:
+        values, ids = torch.topk(lp, min(k, lp.shape[-1]))
+        out["top_logprobs"] = [[int(i), round(float(v), 6)] for i, v in zip(ids, values)]
+    return out
 
 
 def _on_rows(fn, members: set):

@@ -125,7 +125,7 @@ class PrefixCache:
         if node.state is not None:
             self._lru.move_to_end(id(node))
             return
-        node.state = _compact(state)
+        node.state = compact_copy(state)
         self._lru[id(node)] = node
         self.bytes += size
         while self.bytes > self.max_bytes and self._lru:
@@ -148,7 +148,7 @@ def _nbytes(state) -> int:
     return int(state.nbytes()) if hasattr(state, "nbytes") else 0
 
 
-def _compact(state):
+def compact_copy(state):
     """A copy holding only the filled part of the state (a KVState's buffer trimmed to n)."""
     copy = state.clone()
     kv = getattr(copy, "kv", None)

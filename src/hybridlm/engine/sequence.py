@@ -75,6 +75,9 @@ class ArcState:
     task: Any = None  # what the sequence was asked (the agent's task), for its arc
     call: Any = None  # the call whose jump is in progress
     trace_path: str | None = None  # where its trace is written, if anywhere
+    resume: list[int] = field(default_factory=list)  # tokens to inject into a handed-over state x at admission
+    logprobs: int | None = None  # record log p_θ of each token and its k most likely alternatives (None: off)
+    cached_tokens: int = 0  # prompt tokens a cached state spared the prefill
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:

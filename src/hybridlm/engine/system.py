@@ -63,6 +63,11 @@ class HybridSystem:
         """x ∈ D: the sequence must jump (the solver checks the jump horizon)."""
         return False
 
+    def jumps_elsewhere(self, s) -> bool:
+        """x ∈ D whose jump map runs outside this engine (a client runs the tool): the arc ends in
+        D with termination cause `jump_set`, and a later sequence continues from its state."""
+        return False
+
     def jump(self, s) -> Callable[[], Any]:
         """g, first part: the external work of the jump, run in q_E on a worker thread."""
         raise NotImplementedError
