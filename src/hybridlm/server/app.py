@@ -1,0 +1,170 @@
+"""The HTTP face of the service: an OpenAI-compatible API on FastAPI.
+
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models[/{id}]
+    GET  /v1/arcs/{id}          GET  /v1/arcs/{id}/report
+    GET  /health                GET  /metrics  (Prometheus text)
+
+Errors have OpenAI's shape and status: 400 for a bad parameter (its name in `param`), 401 for
+a missing or wrong API key, 404 for an unknown model or arc, 413 for a body over the limit,
+503 when the batch and its queue are full (with Retry-After). /health and /metrics need no key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hybridlm.server import handlers as H
+from hybridlm.server.metrics import Metrics
+from hybridlm.server.service import Service
+from hybridlm.server.wire import APIError, parse_chat, parse_completion
+
+log = logging.getLogger("hybridlm.server")
+
+DEFAULT_MAX_BODY = 8 * 2**20
+
+
+def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAPI:
+    app = FastAPI(title="hybridlm", summary="An OpenAI-compatible server of hybrid automata", docs_url=None,
+                  redoc_url=None)
+    metrics = Metrics(service)
+    app.state.service, app.state.metrics = service, metrics
+
+    # ------------------------------------------------------------------ errors in OpenAI's shape
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        metrics.request(request.url.path, exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
+        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):
+        log.exception("request failed")
+        metrics.request(request.url.path, 500)
+        return JSONResponse({"error": {"message": f"internal error: {type(exc).__name__}: {exc}"[:500],
+                                       "type": "server_error", "param": None, "code": None}}, status_code=500)
+
+    # ------------------------------------------------------------------ the key and the body
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "Incorrect API key provided" if given else
+                           "You didn't provide an API key (Authorization: Bearer KEY)", code="invalid_api_key")
+
+    async def body_of(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            raise APIError(413, f"the request body is {int(declared):,} bytes; the limit is {max_body_bytes:,}",
+                           code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise APIError(413, f"the request body is over the limit of {max_body_bytes:,} bytes",
+                               code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    # ------------------------------------------------------------------ health, metrics, models
+    @app.get("/health")
+    async def health():
+        if not service.alive:
+            return JSONResponse({"status": "error", "reason": "the engine thread is not running"}, status_code=503)
+        return {"status": "ok", "model": service.model_id}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card() -> dict:
+        return {"id": service.model_id, "object": "model", "created": service.created, "owned_by": "hybridlm",
+                "context_length": service.model.config.n_ctx, "dtype": H.dtype_name(service.model)}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str, request: Request):
+        authorize(request)
+        H.check_model(service, model_id)
+        return model_card()
+
+    # ------------------------------------------------------------------ arcs
+    def arc_of(arc_id: str):
+        s = service.arcs.get(arc_id)
+        if s is None:
+            raise APIError(404, f"no arc {arc_id!r} (arcs of the last {service.arcs.max_arcs} sequences are kept)",
+                           param="arc_id", code="arc_not_found")
+        return s
+
+    @app.get("/v1/arcs/{arc_id}")
+    async def arc(arc_id: str, request: Request):
+        authorize(request)
+        s = arc_of(arc_id)
+        text = "".join(line + "\n" for line in list(s.arc.lines()))
+        return PlainTextResponse(text, media_type="application/x-ndjson")
+
+    @app.get("/v1/arcs/{arc_id}/report")
+    async def arc_report(arc_id: str, request: Request):
+        authorize(request)
+        s = arc_of(arc_id)
+        from hybridlm.report import render_arc_report
+
+        events = [e.to_dict() for e in list(s.arc.events)]
+        html = await run_in_threadpool(render_arc_report, events)
+        return HTMLResponse(html)
+
+    # ------------------------------------------------------------------ completions
+    async def run(request: Request, prep: H.Prepared, respond, stream):
+        queue = H.attach(prep, asyncio.get_running_loop())
+        service.submit(prep.sequences)
+        with service.counters.lock:
+            service.counters.prompt_tokens += sum(prep.prompt_tokens)
+        headers = {"X-Hybridlm-Arcs": ",".join(s.name for s in prep.sequences)}
+        if prep.stream:
+            metrics.request(request.url.path, 200)
+            return StreamingResponse(stream(prep, queue, service, metrics.ttft), media_type="text/event-stream",
+                                     headers={**headers, "Cache-Control": "no-cache"})
+        if not await H.wait_all(prep, queue, service, request.is_disconnected):
+            metrics.request(request.url.path, 499)
+            return Response(status_code=499)
+        for s in prep.sequences:
+            delay = H.first_token_delay(prep, s)
+            if delay is not None:
+                metrics.ttft(delay)
+        body = respond(prep, service)
+        metrics.request(request.url.path, 200)
+        return JSONResponse(body, headers=headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        authorize(request)
+        body = parse_chat(await body_of(request))
+        prep = await run_in_threadpool(H.prepare_chat, service, body)
+        return await run(request, prep, H.chat_response, H.stream_chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        authorize(request)
+        body = parse_completion(await body_of(request))
+        prep = await run_in_threadpool(H.prepare_completion, service, body)
+        return await run(request, prep, H.completion_response, H.stream_completion)
+
+    return app

@@ -1,0 +1,536 @@
+"""The endpoints' work between the wire and the engine: a request becomes sequences, their arcs
+become a response or a stream of chunks (OpenAI's chat.completion, chat.completion.chunk,
+text_completion objects).
+
+A request with n choices is n sequences, choice i seeded with seed + i, each its own arc.
+Its response names the arcs (`hybridlm.arcs`, and the `X-Hybridlm-Arcs` header), so
+`GET /v1/arcs/{id}` returns the hybrid arc of every choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridlm.agent.protocol import Protocol
+from hybridlm.agent.tools import ToolRegistry
+from hybridlm.constraints import json_schema_constraint, library, tool_call_constraint
+from hybridlm.engine.arc import Termination
+from hybridlm.engine.clock import default_stops, sequence
+from hybridlm.engine.sampling import Kernel
+from hybridlm.engine.sequence import ArcState, Limits
+from hybridlm.errors import HybridLMError, InputError
+from hybridlm.server import chat as C
+from hybridlm.server.service import Service
+from hybridlm.server.wire import APIError, ChatBody, CompletionBody, invalid, prompt_list, stop_list
+
+FINISH = {
+    Termination.STOP_TOKEN: "stop", Termination.STOP_SEQUENCE: "stop", Termination.CONSTRAINT: "stop",
+    Termination.TOKEN_BUDGET: "length", Termination.JUMP_HORIZON: "length", Termination.JUMP_SET: "tool_calls",
+}
+
+
+@dataclass
+class Prepared:
+    """A request turned into sequences, with what its response needs."""
+
+    kind: str  # "chat" or "completion"
+    id: str
+    created: int
+    model: str
+    sequences: list[ArcState]
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: off
+    stops: tuple[str, ...] = ()
+    plan: C.ChatPlan | None = None
+    prompt_tokens: list[int] = field(default_factory=list)  # per sequence
+    prompt_texts: list[str] = field(default_factory=list)  # completions with echo
+    echo: bool = False
+    n: int = 1  # choices per prompt
+    continued_from: str | None = None
+    received: float = field(default_factory=time.perf_counter)
+
+
+# ---------------------------------------------------------------------- requests → sequences
+def check_model(service: Service, model: str) -> None:
+    if model != service.model_id:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves '{service.model_id}'",
+                       param="model", code="model_not_found")
+
+
+def _kernel(body) -> Kernel:
+    try:
+        if body.temperature == 0:
+            return Kernel(greedy=True)
+        top_p = body.top_p if body.top_p is not None and body.top_p < 1 else None
+        return Kernel(temperature=1.0 if body.temperature is None else body.temperature, top_p=top_p,
+                      top_k=body.top_k)
+    except InputError as exc:
+        raise invalid(str(exc), param="temperature") from None
+
+
+def _seeds(body) -> list[int]:
+    base = body.seed if body.seed is not None else secrets.randbits(63)
+    return [(base + i) % 2**64 for i in range(body.n)]
+
+
+def _budget(service: Service, n_prompt: int, asked: int | None, param: str) -> int:
+    T = service.model.config.n_ctx
+    if n_prompt >= T:
+        raise invalid(f"This model's maximum context length is {T} tokens. However, your messages resulted in "
+                      f"{n_prompt} tokens.", param="messages", code="context_length_exceeded")
+    if asked is None:
+        return T - n_prompt
+    if n_prompt + asked > T:
+        raise invalid(f"This model's maximum context length is {T} tokens. However, you requested "
+                      f"{n_prompt + asked} tokens ({n_prompt} in the messages, {asked} in the completion). "
+                      "Please reduce the length of the messages or completion.", param=param,
+                      code="context_length_exceeded")
+    return asked
+
+
+def prepare_chat(service: Service, body: ChatBody) -> Prepared:
+    check_model(service, body.model)
+    model, tok = service.model, service.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise invalid(f"the model {service.model_id} has no chat template; use /v1/completions", param="messages")
+    client = [{"name": t.function.name, "description": t.function.description, "parameters": t.function.parameters}
+              for t in body.tools or []]
+    server = [] if body.tools is not None or service.tools is None else [t.schema() for t in service.tools]
+    offered = client or server
+    choice = body.tool_choice
+    if choice is None:
+        choice = "auto" if offered else "none"
+    elif not isinstance(choice, str):
+        choice = choice.function.name
+    if not offered:
+        choice = "none"
+    schema = None
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        schema = {"type": "object"}
+    elif rf is not None and rf.type == "json_schema":
+        schema = rf.json_schema.schema_
+    if schema is not None and offered and choice != "none":
+        raise invalid("response_format with tools that may be called is not supported; give one or the other "
+                      "(or tool_choice 'none')", param="response_format")
+    if schema is not None:
+        try:
+            json_schema_constraint(tok, schema)
+        except InputError as exc:
+            raise invalid(f"response_format: {exc}", param="response_format") from None
+    parallel = body.parallel_tool_calls if body.parallel_tool_calls is not None else True
+    stops = stop_list(body.stop)
+    plan = C.ChatPlan(offered=offered, client_tools=frozenset(t["name"] for t in client), tool_choice=choice,
+                      parallel=parallel, schema=schema if not (offered and choice != "none") else None, stop=stops)
+    if offered:
+        try:  # every schema compiles before anything joins the engine
+            tool_call_constraint(tok, offered, choice, parallel=parallel)
+        except InputError as exc:
+            raise invalid(f"tools: {exc}", param="tools") from None
+
+    protocol = Protocol(tok, ToolRegistry())
+    messages = body.messages
+    pending = C.pending_tool_results(messages)
+    entry, resume = None, []
+    if pending is not None and client:
+        i, results = pending
+        head = C.template_messages(messages[: i + 1], offered)
+        entry = service.continuations.get(C.conversation_key(head))
+        if entry is not None:
+            observations = [results[c.id] for c in messages[i].tool_calls]
+            resume = protocol.observation_ids(head, observations, turn_closed=entry.turn_closed)
+            tmpl = head + [{"role": "tool", "content": f"{C.RESPONSE_OPEN}{y}{C.RESPONSE_CLOSE}"}
+                           for y in observations]
+    if entry is None:
+        tmpl = C.template_messages(messages, offered)
+        try:
+            prompt, marks = protocol.prompt_ids_and_marks(tmpl)
+        except HybridLMError as exc:
+            raise invalid(str(exc), param="messages") from None
+    else:
+        prompt, marks = C.state_tokens(entry.state) + resume, []
+    asked = body.max_completion_tokens or body.max_tokens
+    budget = _budget(service, len(prompt), asked, "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+    kernel = _kernel(body)
+    lim = Limits(max_token_steps=budget, max_jumps=service.max_jumps if server else 0,
+                 max_jumps_per_step=max(1, service.max_jumps) if parallel and server else 1)
+    setup = C.ToolSetup(tok, service.tools if server else ToolRegistry(), Protocol(tok, ToolRegistry()), choice,
+                        parallel, model.config.vocab_size)
+    plan.notes = {"continues": entry.arc} if entry is not None else {}
+    ident = f"chatcmpl-{secrets.token_hex(12)}"
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    seqs = []
+    for i, seed in enumerate(_seeds(body)):
+        system = C.ChatSystem(setup, plan)
+        x = None
+        if entry is not None:
+            x = entry.state if i == 0 else entry.state.clone()
+        s = ArcState(system, list(prompt), kernel=kernel, seed=seed, limits=lim, stop_ids=frozenset(tok.stop_ids()),
+                     messages=list(tmpl), marks=tuple(marks), name=f"{ident}-{i}", x=x, resume=list(resume),
+                     logprobs=logprobs)
+        try:
+            s.constraint = system.turn(s, first=True)
+        except InputError as exc:
+            raise invalid(str(exc), param="tools") from None
+        seqs.append(s)
+    return Prepared("chat", ident, int(time.time()), service.model_id, seqs, stream=body.stream,
+                    include_usage=bool(body.stream_options and body.stream_options.include_usage), logprobs=logprobs,
+                    stops=stops, plan=plan, prompt_tokens=[len(prompt)] * len(seqs), n=body.n,
+                    continued_from=entry.arc if entry is not None else None)
+
+
+def prepare_completion(service: Service, body: CompletionBody) -> Prepared:
+    check_model(service, body.model)
+    model, tok = service.model, service.tokenizer
+    stops = stop_list(body.stop)
+    kernel = _kernel(body)
+    ident = f"cmpl-{secrets.token_hex(12)}"
+    V = model.config.vocab_size
+    seqs, lengths, texts = [], [], []
+    stop_ids = default_stops(model)
+    for p, prompt in enumerate(prompt_list(body.prompt)):
+        if isinstance(prompt, str):
+            ids = tok.encode(prompt)
+            text = prompt
+        else:
+            bad = [i for i in prompt if not 0 <= i < V]
+            if bad:
+                raise invalid(f"prompt[{p}] holds token id {bad[0]}, outside the vocabulary [0, {V})", param="prompt")
+            ids, text = list(prompt), tok.decode(prompt)
+        if not ids:
+            raise invalid(f"prompt[{p}] encodes to no tokens", param="prompt")
+        budget = _budget(service, len(ids), body.max_tokens, "max_tokens")
+        for i, seed in enumerate(_seeds(body)):
+            s = sequence(model, ids, kernel=kernel, max_new_tokens=budget, seed=seed, stop_ids=stop_ids, stop=stops,
+                         name=f"{ident}-{len(seqs)}")
+            s.logprobs = body.logprobs
+            seqs.append(s)
+            lengths.append(len(ids))
+            texts.append(text)
+    return Prepared("completion", ident, int(time.time()), service.model_id, seqs, stream=body.stream,
+                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                    logprobs=body.logprobs, stops=stops, prompt_tokens=lengths, prompt_texts=texts, echo=body.echo,
+                    n=body.n)
+
+
+# ---------------------------------------------------------------------- arcs → what the client sees
+class Outbox:
+    """An observer that hands a sequence's events to the request's event loop: (index, event), and
+    (index, None) at the end."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int, *, every: bool) -> None:
+        self.loop, self.queue, self.index, self.every = loop, queue, index, every
+
+    def _put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the request's loop has closed: nobody is listening
+            pass
+
+    def on_event(self, s, event) -> None:
+        if self.every and event.kind in ("token", "phase"):
+            self._put((self.index, event))
+
+    def on_end(self, s) -> None:
+        self._put((self.index, None))
+
+
+class ChoiceState:
+    """One choice as the client has seen it so far (for streaming deltas)."""
+
+    def __init__(self, prep: Prepared, s: ArcState, service: Service) -> None:
+        self.prep, self.s, self.service = prep, s, service
+        self.turns: list[list[int]] = [[]]
+        self.content_sent = 0
+        self.calls_sent: dict[int, int] = {}  # call index -> argument characters sent
+        self.pending_logprobs: list[dict] = []
+        self.first_token: float | None = None
+
+    def on_event(self, event) -> None:
+        if event.kind == "phase" and event.get("phase") == "external":
+            self.turns.append([])
+        elif event.kind == "token":
+            if self.first_token is None:
+                self.first_token = time.perf_counter()
+            if event.get("stop"):
+                return
+            self.turns[-1].append(event["token"])
+            if self.prep.logprobs is not None:
+                self.pending_logprobs.append(event)
+
+    def texts(self) -> list[str]:
+        tok = self.service.tokenizer
+        return [tok.decode(ids) for ids in self.turns]
+
+
+def _view(prep: Prepared, turns: list[str], final: bool) -> C.View:
+    plan = prep.plan
+    possible = plan is not None and bool(plan.offered) and plan.tool_choice != "none"
+    return C.render(turns, final=final, stops=prep.stops, client_tools=plan.client_tools if plan else frozenset(),
+                    calls_possible=possible)
+
+
+def _token_logprob(tok, lib, event) -> dict:
+    def entry(token: int, lp: float) -> dict:
+        return {"token": tok.token_str(token), "logprob": lp, "bytes": list(lib.decode_bytes([token]))}
+
+    out = entry(event["token"], event.get("model_logprob", event.get("logprob", 0.0)))
+    out["top_logprobs"] = [entry(t, lp) for t, lp in event.get("top_logprobs", [])]
+    return out
+
+
+def _error_of(s: ArcState) -> APIError:
+    end = next((e for e in reversed(s.arc.events) if e.kind == "end"), None)
+    message = end.get("error") if end is not None else None
+    return APIError(500, f"the sequence {s.name} failed: {message or s.error}", type="server_error",
+                    code="generation_failed")
+
+
+def _usage(prep: Prepared) -> dict:
+    """Each prompt counted once (not once per choice), every choice's generated tokens."""
+    completion = sum(s.t for s in prep.sequences)
+    prompt = sum(prep.prompt_tokens[:: max(1, prep.n)])
+    cached = max((getattr(s, "cached_tokens", 0) for s in prep.sequences), default=0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _extension(prep: Prepared) -> dict:
+    out = {"arcs": [s.name for s in prep.sequences], "seeds": [s.seed for s in prep.sequences],
+           "termination": [s.arc.termination.value if s.arc.termination else None for s in prep.sequences]}
+    jumps = [[{"tool": e["tool"], "arguments": e["arguments"], "observation": e["observation"], "error": e["error"],
+               "t": e.t, "k": e.k, "duration_s": e["duration_s"]} for e in s.arc.of("jump")] for s in prep.sequences]
+    if any(jumps):
+        out["jumps"] = jumps
+    if prep.continued_from:
+        out["continued_from"] = prep.continued_from
+    return out
+
+
+def chat_response(prep: Prepared, service: Service) -> dict:
+    tok = service.tokenizer
+    lib = library.library_tokenizer(tok) if prep.logprobs is not None else None
+    choices = []
+    for i, s in enumerate(prep.sequences):
+        if s.arc.termination is Termination.ERROR:
+            raise _error_of(s)
+        view = _view(prep, C.turns_of(s, tok), final=True)
+        calls = [{"id": C.call_id(s, c.index), "type": "function",
+                  "function": {"name": c.name, "arguments": c.arguments}} for c in view.calls]
+        message = {"role": "assistant", "content": view.content if view.content or not calls else None,
+                   "refusal": None}
+        if calls:
+            message["tool_calls"] = calls
+        logprobs = None
+        if lib is not None:
+            logprobs = {"content": [_token_logprob(tok, lib, e) for e in s.arc.of("token") if not e.get("stop")],
+                        "refusal": None}
+        choices.append({"index": i, "message": message, "logprobs": logprobs,
+                        "finish_reason": FINISH.get(s.arc.termination, "stop")})
+    return {"id": prep.id, "object": "chat.completion", "created": prep.created, "model": prep.model,
+            "choices": choices, "usage": _usage(prep), "system_fingerprint": _fingerprint(service),
+            "hybridlm": _extension(prep)}
+
+
+def completion_response(prep: Prepared, service: Service) -> dict:
+    tok = service.tokenizer
+    choices = []
+    for i, s in enumerate(prep.sequences):
+        if s.arc.termination is Termination.ERROR:
+            raise _error_of(s)
+        tokens = [e for e in s.arc.of("token") if not e.get("stop")]
+        text = C.render([tok.decode([e["token"] for e in tokens])], final=True, stops=prep.stops,
+                        calls_possible=False).content
+        prefix = prep.prompt_texts[i] if prep.echo else ""
+        logprobs = _completion_logprobs(tok, tokens, len(prefix)) if prep.logprobs is not None else None
+        choices.append({"index": i, "text": prefix + text, "logprobs": logprobs,
+                        "finish_reason": FINISH.get(s.arc.termination, "stop")})
+    return {"id": prep.id, "object": "text_completion", "created": prep.created, "model": prep.model,
+            "choices": choices, "usage": _usage(prep), "system_fingerprint": _fingerprint(service),
+            "hybridlm": _extension(prep)}
+
+
+def _completion_logprobs(tok, events, offset: int) -> dict:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in events:
+        text = tok.token_str(e["token"])
+        out["tokens"].append(text)
+        out["token_logprobs"].append(e.get("model_logprob", e.get("logprob", 0.0)))
+        out["top_logprobs"].append({tok.token_str(t): lp for t, lp in e.get("top_logprobs", [])})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def _fingerprint(service: Service) -> str:
+    return f"hybridlm-{service.model_id}"
+
+
+# ---------------------------------------------------------------------- running a request
+def attach(prep: Prepared, loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
+    queue: asyncio.Queue = asyncio.Queue()
+    for i, s in enumerate(prep.sequences):
+        s.observers.append(Outbox(loop, queue, i, every=prep.stream))
+    return queue
+
+
+async def wait_all(prep: Prepared, queue: asyncio.Queue, service: Service, is_disconnected) -> bool:
+    """Wait until every sequence has ended; False (its rows freed) when the client went away."""
+    left = len(prep.sequences)
+    while left:
+        try:
+            _, event = await asyncio.wait_for(queue.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if await is_disconnected():
+                service.cancel(prep.sequences)
+                return False
+            continue
+        if event is None:
+            left -= 1
+    return True
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def stream_chat(prep: Prepared, queue: asyncio.Queue, service: Service, ttft):
+    """chat.completion.chunk events: the role, content deltas, each call's id and name once and
+    its argument deltas, the finish reason; usage last when asked; then [DONE]."""
+    tok = service.tokenizer
+    lib = library.library_tokenizer(tok) if prep.logprobs is not None else None
+    states = [ChoiceState(prep, s, service) for s in prep.sequences]
+    base = {"id": prep.id, "object": "chat.completion.chunk", "created": prep.created, "model": prep.model,
+            "system_fingerprint": _fingerprint(service)}
+
+    def chunk(i: int, delta: dict, finish=None, logprobs=None) -> str:
+        return sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+
+    try:
+        for i in range(len(states)):
+            yield chunk(i, {"role": "assistant", "content": "", "refusal": None})
+        left = len(states)
+        while left:
+            i, event = await queue.get()
+            st = states[i]
+            final = event is None
+            if final:
+                left -= 1
+                if st.s.arc.termination is Termination.ERROR:
+                    yield sse(_error_of(st.s).body())
+                    continue
+                if st.s.arc.termination is Termination.CANCELLED:
+                    continue
+            else:
+                had = st.first_token
+                st.on_event(event)
+                if had is None and st.first_token is not None and ttft is not None:
+                    ttft(st.first_token - prep.received)
+                if event.kind != "token":
+                    continue
+            view = _view(prep, st.texts(), final=final)
+            for text in _deltas(st, view, i, prep, service):
+                yield text
+            if st.pending_logprobs:
+                entries = [_token_logprob(tok, lib, e) for e in st.pending_logprobs]
+                st.pending_logprobs = []
+                yield chunk(i, {}, logprobs={"content": entries, "refusal": None})
+            if final:
+                yield chunk(i, {}, finish=FINISH.get(st.s.arc.termination, "stop"))
+        if prep.include_usage:
+            yield sse({**base, "choices": [], "usage": _usage(prep)})
+        yield sse("[DONE]")
+    finally:
+        service.cancel(prep.sequences)  # a client gone mid-stream frees its rows at once
+
+
+def _deltas(st: ChoiceState, view: C.View, i: int, prep: Prepared, service: Service):
+    base = {"id": prep.id, "object": "chat.completion.chunk", "created": prep.created, "model": prep.model,
+            "system_fingerprint": _fingerprint(service)}
+    if len(view.content) > st.content_sent:
+        delta = view.content[st.content_sent:]
+        st.content_sent = len(view.content)
+        yield sse({**base, "choices": [{"index": i, "delta": {"content": delta}, "logprobs": None,
+                                        "finish_reason": None}]})
+    for c in view.calls:
+        sent = st.calls_sent.get(c.index)
+        parts = []
+        if sent is None:
+            parts.append({"index": c.index, "id": C.call_id(st.s, c.index), "type": "function",
+                          "function": {"name": c.name, "arguments": c.arguments}})
+            st.calls_sent[c.index] = len(c.arguments)
+        elif len(c.arguments) > sent:
+            parts.append({"index": c.index, "function": {"arguments": c.arguments[sent:]}})
+            st.calls_sent[c.index] = len(c.arguments)
+        if parts:
+            yield sse({**base, "choices": [{"index": i, "delta": {"tool_calls": parts}, "logprobs": None,
+                                            "finish_reason": None}]})
+
+
+async def stream_completion(prep: Prepared, queue: asyncio.Queue, service: Service, ttft):
+    tok = service.tokenizer
+    states = [ChoiceState(prep, s, service) for s in prep.sequences]
+    base = {"id": prep.id, "object": "text_completion", "created": prep.created, "model": prep.model,
+            "system_fingerprint": _fingerprint(service)}
+    offsets = [len(prep.prompt_texts[i]) if prep.echo else 0 for i in range(len(states))]
+    try:
+        for i in range(len(states)):
+            if prep.echo:
+                yield sse({**base, "choices": [{"index": i, "text": prep.prompt_texts[i], "logprobs": None,
+                                                "finish_reason": None}]})
+        left = len(states)
+        while left:
+            i, event = await queue.get()
+            st = states[i]
+            final = event is None
+            if final:
+                left -= 1
+                if st.s.arc.termination is Termination.ERROR:
+                    yield sse(_error_of(st.s).body())
+                    continue
+                if st.s.arc.termination is Termination.CANCELLED:
+                    continue
+            else:
+                had = st.first_token
+                st.on_event(event)
+                if had is None and st.first_token is not None and ttft is not None:
+                    ttft(st.first_token - prep.received)
+                if event.kind != "token":
+                    continue
+            view = C.render(st.texts(), final=final, stops=prep.stops, calls_possible=False)
+            delta = view.content[st.content_sent:]
+            st.content_sent = max(st.content_sent, len(view.content))
+            logprobs = None
+            if st.pending_logprobs:
+                logprobs = _completion_logprobs(tok, st.pending_logprobs, offsets[i])
+                offsets[i] += sum(len(t) for t in logprobs["tokens"])
+                st.pending_logprobs = []
+            if delta or logprobs or final:
+                yield sse({**base, "choices": [{"index": i, "text": delta, "logprobs": logprobs,
+                                                "finish_reason": FINISH.get(st.s.arc.termination, "stop")
+                                                if final else None}]})
+        if prep.include_usage:
+            yield sse({**base, "choices": [], "usage": _usage(prep)})
+        yield sse("[DONE]")
+    finally:
+        service.cancel(prep.sequences)
+
+
+def first_token_delay(prep: Prepared, s: ArcState) -> float | None:
+    """Seconds from the request's arrival to the sequence's first token (non-streamed requests)."""
+    first = next((e for e in s.arc.events if e.kind == "token"), None)
+    if first is None or not s.started:
+        return None
+    return s.started - prep.received + first.wall_s
+
+
+def dtype_name(model) -> str:
+    W = getattr(model, "W_e", None)
+    return str(W.dtype).removeprefix("torch.") if isinstance(W, torch.Tensor) else "?"

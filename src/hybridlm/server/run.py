@@ -1,0 +1,72 @@
+"""Running the app: `serve` in the foreground (the CLI), `running` in a thread (tests, benchmarks)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import uvicorn
+
+from hybridlm.server.app import create_app
+from hybridlm.server.service import Service
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0: a free one, chosen by the system)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _server(service: Service, *, api_key, max_body_bytes, log_level: str) -> uvicorn.Server:
+    app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3, access_log=log_level == "debug")
+    return uvicorn.Server(config)
+
+
+def serve(service: Service, *, host: str = "127.0.0.1", port: int = 8000, sock: socket.socket | None = None,
+          api_key: str | None = None, max_body_bytes: int = 8 * 2**20, log_level: str = "info",
+          on_ready=None) -> None:
+    """Serve until interrupted (on `sock`, or a socket bound to host:port); the engine stops with the server."""
+    sock = sock if sock is not None else bind(host, port)
+    server = _server(service, api_key=api_key, max_body_bytes=max_body_bytes, log_level=log_level)
+    service.start()
+    if on_ready is not None:
+        on_ready(sock.getsockname()[1])
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn shuts down, then raises the captured SIGINT again: a clean stop
+        pass
+    finally:
+        service.close()
+        sock.close()
+
+
+@contextlib.contextmanager
+def running(service: Service, *, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
+            max_body_bytes: int = 8 * 2**20, log_level: str = "warning") -> Iterator[str]:
+    """The server in a background thread for the `with` block; yields its base URL (…/v1)."""
+    sock = bind(host, port)
+    server = _server(service, api_key=api_key, max_body_bytes=max_body_bytes, log_level=log_level)
+    service.start()
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="hybridlm-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not server.started:
+        raise RuntimeError("the server did not start")
+    try:
+        yield f"http://{host}:{sock.getsockname()[1]}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        service.close()
+        sock.close()

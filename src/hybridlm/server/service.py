@@ -1,0 +1,278 @@
+"""The serving side of the engine: one thread steps it, requests join and leave its population.
+
+`Service` owns an `Engine` (hybridlm.engine) and runs `engine.step()` in a thread of its own;
+the HTTP handlers (hybridlm.server.app) turn each request into sequences (`ArcState`s) and
+`submit` them from any thread. A sequence joins the running batch at the next token step,
+leaves it for q_E while a server-side tool runs, and leaves for good at the end of its arc or
+when its client goes away (`cancel`): continuous batching, with the token clock of every
+sequence its own.
+
+Two stores make a conversation cheap to continue:
+
+- the engine's `PrefixCache` (states after canonical segments: the system prompt, the tool
+  list, every earlier message), so no shared prefix is prefilled twice;
+- `Continuations`: the state an arc ended in when it stopped in the jump set of a client-side
+  tool, keyed by the conversation the client will send back. The request that brings the
+  tool results continues from that state, with the observations injected through a prefill
+  as the agent's jump map injects them (hybridlm.agent.protocol), instead of prefilling the
+  conversation again.
+
+Every arc is kept (the last `max_arcs`) for `GET /v1/arcs/{id}`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from hybridlm.engine.arc import Mode, Termination
+from hybridlm.engine.engine import Engine
+from hybridlm.engine.prefill import ContextPolicy, PrefixCache, compact_copy
+from hybridlm.engine.sequence import ArcState
+from hybridlm.server.wire import APIError
+
+log = logging.getLogger("hybridlm.server")
+
+MB = 2**20
+
+
+@dataclass
+class Continuation:
+    """The state an arc ended in at a client-side jump, and what the jump map needs to land it."""
+
+    state: object  # the KVState after the call's last token
+    messages: list[dict]  # the chat template's messages up to and including the assistant's calls
+    call_ids: list[str]  # the ids the client got, in the order of the calls
+    turn_closed: bool  # the model emitted its end-of-turn token after the calls
+    arc: str  # the arc that ended there
+    t: int  # token steps of that arc
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.state.nbytes()) if hasattr(self.state, "nbytes") else 0
+
+
+class Continuations:
+    """Continuation states by conversation, bounded in bytes, least recently used dropped first."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: collections.OrderedDict[str, Continuation] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.hits = self.misses = 0
+
+    def put(self, key: str, entry: Continuation) -> None:
+        size = entry.nbytes
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.bytes -= old.nbytes
+            self._entries[key] = entry
+            self.bytes += size
+            while self.bytes > self.max_bytes and self._entries:
+                _, gone = self._entries.popitem(last=False)
+                self.bytes -= gone.nbytes
+
+    def get(self, key: str) -> Continuation | None:
+        """The entry (its state a copy, so a retried request finds it again), or None."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+        return Continuation(entry.state.clone(), entry.messages, entry.call_ids, entry.turn_closed, entry.arc, entry.t)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class Arcs:
+    """The arcs of the last `max_arcs` sequences, by name (their events, live while they run)."""
+
+    def __init__(self, max_arcs: int) -> None:
+        self.max_arcs = max_arcs
+        self._arcs: collections.OrderedDict[str, ArcState] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, s: ArcState) -> None:
+        with self._lock:
+            self._arcs[s.name] = s
+            while len(self._arcs) > self.max_arcs:
+                self._arcs.popitem(last=False)
+
+    def get(self, name: str) -> ArcState | None:
+        with self._lock:
+            return self._arcs.get(name)
+
+
+class Counters:
+    """What /metrics reports beyond the engine's own statistics."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests: collections.Counter = collections.Counter()  # (endpoint, status) -> count
+        self.mode_s = {Mode.GENERATE.value: 0.0, Mode.EXTERNAL.value: 0.0}
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.rate: collections.deque = collections.deque(maxlen=256)  # (time, tokens emitted so far)
+
+    def request(self, endpoint: str, status: int) -> None:
+        with self.lock:
+            self.requests[(endpoint, status)] += 1
+
+
+class Service:
+    """The engine of a server: started once, stepped by its own thread until closed."""
+
+    def __init__(self, model, *, model_id: str, tools=None, max_batch: int = 32, max_queue: int = 256,
+                 prefix_cache_mb: float = 256, continuation_mb: float = 256, max_arcs: int = 1000,
+                 context: ContextPolicy | str = ContextPolicy(), max_jumps: int = 3) -> None:
+        self.model = model
+        self.model_id = model_id
+        self.tokenizer = model.tokenizer
+        self.tools = tools  # a ToolRegistry the server runs itself, or None
+        self.max_batch, self.max_queue, self.max_jumps = max_batch, max_queue, max_jumps
+        self.prefix_cache = PrefixCache(int(prefix_cache_mb * MB))
+        self.engine = Engine(model, max_batch=max_batch, context=context, prefix_cache=self.prefix_cache)
+        self.continuations = Continuations(int(continuation_mb * MB))
+        self.arcs = Arcs(max_arcs)
+        self.counters = Counters()
+        self.created = int(time.time())
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ the engine's thread
+    def start(self) -> "Service":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="hybridlm-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self.engine._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        self.engine.close()
+
+    @property
+    def in_flight(self) -> int:
+        """Sequences submitted and not yet ended (running, queued or in q_E)."""
+        return self._in_flight
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            engine.wait_for_work(0.05)
+            try:
+                if engine.busy:
+                    engine.step()
+            except Exception as exc:  # noqa: BLE001 - a fault of one step must not stop the server
+                log.exception("engine step failed")
+                self._fail_all(exc)
+            self.counters.rate.append((time.perf_counter(), engine.stats.tokens))
+        for s in [*engine.waiting, *engine.active, *engine.external]:
+            engine.cancel(s)
+        engine.step() if engine.busy else None
+
+    def _fail_all(self, exc: BaseException) -> None:
+        engine = self.engine
+        for s in [*engine.active, *engine.external]:
+            if not s.done:
+                engine._fail(s, exc)
+        engine.active.clear()
+        engine.external.clear()
+
+    # ------------------------------------------------------------------ the population
+    def submit(self, sequences: list[ArcState]) -> None:
+        """Sequences join (all or none): 503 when the batch and the queue are full."""
+        with self._lock:
+            if self._in_flight + len(sequences) > self.max_batch + self.max_queue:
+                raise APIError(503, f"the server is at capacity ({self._in_flight} sequences running or queued, "
+                                    f"max_batch {self.max_batch} + max_queue {self.max_queue}); retry later",
+                               type="server_error", code="overloaded", headers={"Retry-After": "1"})
+            self._in_flight += len(sequences)
+        if not self.alive:
+            with self._lock:
+                self._in_flight -= len(sequences)
+            raise APIError(503, "the engine is not running", type="server_error", code="engine_stopped")
+        for s in sequences:
+            s.observers.insert(0, _Bookkeeping(self))
+            self.arcs.add(s)
+            self.engine.add(s)
+
+    def cancel(self, sequences: list[ArcState]) -> None:
+        for s in sequences:
+            if not s.done:
+                self.engine.cancel(s)
+
+    def _ended(self, s: ArcState) -> None:
+        with self._lock:
+            self._in_flight -= 1
+        c = self.counters
+        with c.lock:
+            c.mode_s[Mode.GENERATE.value] += s.arc.wall_in(Mode.GENERATE)
+            c.mode_s[Mode.EXTERNAL.value] += s.arc.wall_in(Mode.EXTERNAL)
+            c.completion_tokens += s.t
+        keep = getattr(s.system, "continuation", None)
+        if keep is not None and s.arc.termination is Termination.JUMP_SET and s.x is not None:
+            try:
+                key, entry = keep(s, compact_copy(s.x))
+                self.continuations.put(key, entry)
+            except Exception:  # noqa: BLE001 - a missed continuation costs one prefill, nothing more
+                log.exception("could not keep the continuation of %s", s.name)
+
+    # ------------------------------------------------------------------ what /metrics reads
+    def snapshot(self) -> dict:
+        e = self.engine
+        stats = e.stats
+        rate = 0.0
+        samples = list(self.counters.rate)
+        now = time.perf_counter()
+        window = [(t, n) for t, n in samples if now - t <= 10.0]
+        if len(window) >= 2 and window[-1][0] > window[0][0]:
+            rate = (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
+        with self.counters.lock:
+            requests = dict(self.counters.requests)
+            mode_s = dict(self.counters.mode_s)
+            completion = self.counters.completion_tokens
+            prompt = self.counters.prompt_tokens
+        return {
+            "tokens_total": stats.tokens, "tokens_per_second": rate, "steps_total": stats.steps,
+            "rows_total": stats.rows, "batch": len(e.active), "external": len(e.external), "queue": len(e.waiting),
+            "in_flight": self._in_flight, "max_batch": self.max_batch, "jumps_total": stats.jumps,
+            "mode_seconds": mode_s, "prefill_seconds": stats.wall_prefill_s, "flow_seconds": stats.wall_flow_s,
+            "ended_by_cause": dict(stats.by_cause), "requests": requests, "prompt_tokens": prompt,
+            "completion_tokens": completion, "prefix_cache": self.prefix_cache.stats(),
+            "continuations": {"entries": len(self.continuations), "bytes": self.continuations.bytes,
+                              "hits": self.continuations.hits, "misses": self.continuations.misses},
+        }
+
+
+class _Bookkeeping:
+    """The service's observer of each of its sequences (first among the observers, so that a
+    continuation is stored before the client hears that its arc ended)."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    def on_event(self, s, event) -> None:
+        pass
+
+    def on_end(self, s) -> None:
+        self.service._ended(s)

@@ -1,0 +1,281 @@
+"""The OpenAI wire format: request bodies checked into typed requests, and errors in OpenAI's shape.
+
+Parsing is a pure function of the body's bytes (`parse_chat`, `parse_completion`), so it can
+be tested and fuzzed without a server. Every bad value becomes an `APIError` that names the
+parameter and what was expected, sent as OpenAI sends it:
+
+    {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}
+
+Fields that OpenAI defines and this server does not act on (user, metadata, store, ...) are
+accepted and ignored, as OpenAI-compatible servers do; parameters whose effect it cannot give
+(a non-zero frequency penalty, logit_bias, images) are refused rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 16  # choices per request
+MAX_STOP = 4  # stop strings (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error the client gets as an OpenAI error body with this HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, " ".join(message.split()), type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# ---------------------------------------------------------------------- request bodies
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=False)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionSpec(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class ToolSpec(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(_Strict):
+    name: str = "response"
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=1)  # an extension (llama.cpp and vLLM accept it)
+    seed: int | None = Field(default=None, ge=0, le=2**64 - 1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class ChatBody(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["auto", "required", "none"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class CompletionBody(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+
+# ---------------------------------------------------------------------- parsing
+def parse_body(raw: bytes | str | dict, cls: type[BaseModel]) -> BaseModel:
+    """The body as `cls`, or an APIError (400) naming the first bad parameter."""
+    if isinstance(raw, (bytes, bytearray, str)):
+        try:
+            data = json.loads(raw)
+        except RecursionError:
+            raise invalid("the request body is nested too deeply to be a request") from None
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise invalid(f"the request body is not JSON ({str(exc)[:120]})") from None
+    else:
+        data = raw
+    if not isinstance(data, dict):
+        raise invalid(f"the request body must be a JSON object, got a JSON {type(data).__name__}")
+    try:
+        return cls.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise _validation_error(exc) from None
+    except RecursionError:
+        raise invalid("the request body is nested too deeply to be a request") from None
+
+
+def _validation_error(exc: pydantic.ValidationError) -> APIError:
+    errors = exc.errors(include_url=False)
+    first = min(errors, key=lambda e: len(e["loc"]))  # the shallowest: a union's branches nest deeper
+    loc = [str(p) for p in first["loc"] if not _union_branch(p)]
+    param = ""
+    for part in loc:
+        param += f"[{part}]" if part.isdigit() else (f".{part}" if param else part)
+    value = first.get("input")
+    shown = json.dumps(value, default=str)[:80] if first["type"] != "missing" else None
+    what = "is required" if first["type"] == "missing" else f"= {shown}: {first['msg'].lower()}"
+    return invalid(f"'{param or 'body'}' {what}", param=param or None)
+
+
+def _union_branch(part) -> bool:
+    """pydantic names the union branch it tried in the location (e.g. 'str', 'list[int]')."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part or part.startswith(
+        ("function-", "literal[", "json-or-python")) or part in ("NamedToolChoice",))
+
+
+def parse_chat(raw) -> ChatBody:
+    body = parse_body(raw, ChatBody)
+    _refuse_unsupported(body)
+    if body.max_tokens is not None and body.max_completion_tokens is not None \
+            and body.max_tokens != body.max_completion_tokens:
+        raise invalid("max_tokens and max_completion_tokens differ; give one", param="max_completion_tokens")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options is only allowed with stream: true", param="stream_options")
+    for i, m in enumerate(body.messages):
+        _check_message(m, i)
+    if body.tools is not None:
+        names = [t.function.name for t in body.tools]
+        if len(set(names)) != len(names):
+            raise invalid(f"tool names must be unique, got {names}", param="tools")
+    choice = body.tool_choice
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in [t.function.name for t in body.tools or []]:
+        raise invalid(f"tool_choice names {choice.function.name!r}, which is not in tools", param="tool_choice")
+    if choice in ("required",) and not body.tools:
+        raise invalid("tool_choice 'required' needs tools", param="tool_choice")
+    rf = body.response_format
+    if rf is not None and rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
+        raise invalid("response_format of type json_schema needs json_schema.schema", param="response_format")
+    return body
+
+
+def parse_completion(raw) -> CompletionBody:
+    body = parse_body(raw, CompletionBody)
+    _refuse_unsupported(body)
+    if body.suffix:
+        raise invalid("suffix (insertion) is not supported by this model", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise invalid("best_of other than n is not supported", param="best_of")
+    if body.echo and body.logprobs is not None:
+        raise invalid("echo with logprobs (the prompt's log-probabilities) is not supported", param="echo")
+    prompts = prompt_list(body.prompt)
+    if not prompts:
+        raise invalid("prompt is empty", param="prompt")
+    for i, p in enumerate(prompts):
+        if (isinstance(p, str) and not p) or (isinstance(p, list) and not p):
+            raise invalid(f"prompt[{i}] is empty", param="prompt")
+    return body
+
+
+def prompt_list(prompt) -> list[str | list[int]]:
+    """OpenAI's four shapes of `prompt` as a list of prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def stop_list(stop) -> tuple[str, ...]:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > MAX_STOP:
+        raise invalid(f"at most {MAX_STOP} stop sequences, got {len(stops)}", param="stop")
+    if any(not s for s in stops):
+        raise invalid("a stop sequence must not be empty", param="stop")
+    return stops
+
+
+def _refuse_unsupported(body: _Sampling) -> None:
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(body, name):
+            raise invalid(f"{name} other than 0 is not supported", param=name)
+    if body.logit_bias:
+        raise invalid("logit_bias is not supported", param="logit_bias")
+    stop_list(body.stop)
+
+
+def _check_message(m: Message, i: int) -> None:
+    where = f"messages[{i}]"
+    if isinstance(m.content, list):
+        for j, part in enumerate(m.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(f"{where}.content[{j}]: only text parts are supported, got type {part.get('type')!r}",
+                              param=f"{where}.content")
+    if m.role == "tool" and not m.tool_call_id:
+        raise invalid(f"{where}: a tool message needs tool_call_id", param=f"{where}.tool_call_id")
+    if m.role != "assistant" and m.tool_calls:
+        raise invalid(f"{where}: only assistant messages carry tool_calls", param=f"{where}.tool_calls")
+    if m.role in ("system", "developer", "user", "tool") and m.content is None:
+        raise invalid(f"{where}: a {m.role} message needs content", param=f"{where}.content")
+    # (a call's arguments in the history are taken as written: a call cut by max_tokens is not JSON)
+
+
+def text_of(content) -> str:
+    """A message's content as text (a list of text parts joined)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content)
