@@ -80,6 +80,7 @@ def trace_seed() -> bytes:
              "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}]},
         {"event": "phase", "t": 0, "wall_s": 0.01, "phase": "prefill", "mode": "q_G", "tokens": 40},
         {"event": "token", "t": 1, "wall_s": 0.02, "token": 27, "text": "<", "phase": "decode"},
+        {"event": "token", "t": 2, "wall_s": 0.025, "token": 28},  # the text is optional
         {"event": "control", "t": 2, "wall_s": 0.03, "controller": "ban", "removed_mass": 0.25,
          "no_safe_token": False},
         {"event": "jump", "t": 2, "wall_s": 0.05, "tool": "calculator", "arguments": {"expression": "6 * 7"},
@@ -92,6 +93,30 @@ def trace_seed() -> bytes:
     return b"".join(json.dumps({**base, **e} if "k" not in e else e).encode() + b"\n" for e in events)
 
 
+def server_seeds() -> list[bytes]:
+    """Request bodies of the OpenAI API: chat with tools and a tool round trip, structured output, completions."""
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city"]}}}
+    bodies = [
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0.5,
+         "stream": True, "stream_options": {"include_usage": True}, "stop": ["\n"], "seed": 3},
+        {"model": "m", "messages": [
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}],
+         "tools": [weather], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+         "parallel_tool_calls": False, "logprobs": True, "top_logprobs": 2, "n": 2},
+        {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "JSON please"}]}],
+         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+             "type": "object", "properties": {"a": {"type": "integer"}}}}}},
+        {"model": "m", "prompt": ["a", "b"], "max_tokens": 4, "logprobs": 1, "echo": True},
+        {"model": "m", "prompt": [1, 2, 3], "suffix": None, "best_of": 1},
+    ]
+    return [json.dumps(b).encode() for b in bodies]
+
+
 def main() -> None:
     import tempfile
 
@@ -101,6 +126,8 @@ def main() -> None:
         write("gguf_reader", "metadata_only.gguf", tiny_gguf(tmp / "b.gguf", tensors=False))
         write("hub_reader", "tiny_gpt2.bin", hub_seed(tmp))
     write("trace_reader", "arc.jsonl", trace_seed())
+    for i, body in enumerate(server_seeds()):
+        write("server_request", f"body{i}.json", body)
     for i, expression in enumerate(["123456 * 789", "(2 + 3) * 4 ** 2 / 8", "7 // 2 + 7 % 2", "sqrt(144) + abs(-3)",
                                     "2 ** 0.5", "-(3 - 10) ** 3", "1,000 × 3 ÷ 4", "round(2.675)"]):
         write("calculator", f"expr{i}.txt", expression.encode())

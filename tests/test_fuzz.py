@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 FUZZ = Path(__file__).parents[1] / "fuzz"
-HARNESSES = ["gguf_reader", "hub_reader", "trace_reader", "calculator", "knowledge_base", "call_parser"]
+HARNESSES = ["gguf_reader", "hub_reader", "trace_reader", "calculator", "knowledge_base", "call_parser", "server_request"]
 
 
 @pytest.mark.fuzz

@@ -304,7 +304,15 @@ def _partial(text: str, needles) -> int:
 
 def scan_call(body: str) -> tuple[str | None, str, bool]:
     """Read a call's JSON object as far as it is written: (its name once the name's string is
-    closed, the text of its arguments value so far, whether that value is closed)."""
+    closed, the text of its arguments value so far, whether that value is closed). Text that is
+    not such an object is read as far as it is one; nothing raises."""
+    try:
+        return _scan_call(body)
+    except (ValueError, RecursionError):
+        return None, "", False
+
+
+def _scan_call(body: str) -> tuple[str | None, str, bool]:
     name, arguments, complete = None, "", False
     i = _ws(body, 0)
     if not body.startswith("{", i):
