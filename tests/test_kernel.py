@@ -69,3 +69,18 @@ def test_same_generator_seed_same_draws():
 def test_bad_parameters(kwargs, match):
     with pytest.raises(InputError, match=match):
         Kernel(**kwargs)
+
+
+def test_a_zero_probability_token_is_never_drawn_and_rows_draw_alone():
+    from hybridlm.engine.sampling import draw
+
+    p = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]])
+    g = torch.Generator().manual_seed(1)
+    draws = torch.cat([draw(p.expand(500, 5), g) for _ in range(40)])
+    freq = torch.bincount(draws, minlength=5).float() / draws.numel()
+    assert freq[0] == freq[2] == freq[4] == 0 and abs(freq[1] - 0.25) < 0.01
+    # a row's draw depends on its own generator only: one uniform number per row
+    alone = [int(draw(p, torch.Generator().manual_seed(s))) for s in range(20)]
+    assert alone == [int(draw(p, torch.Generator().manual_seed(s))) for s in range(20)]
+    last = torch.tensor([[0.0, 0.0, 1.0]])
+    assert {int(draw(last, g)) for _ in range(100)} == {2}
