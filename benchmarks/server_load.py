@@ -2,7 +2,8 @@
 
 Both servers run as subprocesses on 127.0.0.1; the same streamed chat requests (a shared system
 prompt of about 400 tokens, varied questions, greedy, max_tokens fixed) go to each at 1, 4 and 16
-concurrent clients, the two servers taking turns at every level. For each: aggregate output tokens
+concurrent clients, the two servers taking turns at every level. The clients read the event streams
+with the standard library (as a load generator would: they share the machine with the servers). For each: aggregate output tokens
 per second, time to first token (p50/p95) and time per output token after the first (p50/p95).
 Output tokens are counted by re-encoding each answer with the model's own tokenizer, the same
 measure for both. The ratios are printed; --out writes every figure as JSON.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import http.client
 import json
 import os
 import random
@@ -25,8 +27,6 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-
-import openai
 
 QUESTIONS = [
     "What is photosynthesis?", "Why is the sky blue?", "How do bees make honey?", "What causes tides?",
@@ -88,17 +88,29 @@ def start_servers(gguf: str, threads: int, max_batch: int, logs: Path) -> dict:
 
 
 def one_request(server: dict, system: str, question: str, max_tokens: int, tokenizer) -> dict:
-    client = openai.OpenAI(base_url=server["url"], api_key="unused", max_retries=0, timeout=600)
+    """One streamed chat request, read as server-sent events with the standard library (a light
+    client, like a load generator's: the clients share the two cores with the server)."""
+    host, port = server["url"].split("//")[1].split("/")[0].split(":")
+    body = json.dumps({"model": server["model"], "messages": [{"role": "system", "content": system},
+                                                              {"role": "user", "content": question}],
+                       "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
     t0 = time.perf_counter()
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise SystemExit(f"{server['url']}: HTTP {response.status}: {response.read()[:300]!r}")
     first, parts = None, []
-    stream = client.chat.completions.create(
-        model=server["model"], messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
-        max_tokens=max_tokens, temperature=0, stream=True)
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
+    for line in response:
+        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            continue
+        chunk = json.loads(line[6:])
+        delta = chunk["choices"][0]["delta"].get("content") if chunk.get("choices") else None
+        if delta:
             if first is None:
                 first = time.perf_counter()
-            parts.append(chunk.choices[0].delta.content)
+            parts.append(delta)
+    conn.close()
     end = time.perf_counter()
     tokens = len(tokenizer.encode("".join(parts)))
     first = first if first is not None else end

@@ -149,6 +149,8 @@ class Engine:
         cache = self.prefix_cache
         reused = cache.hit_tokens if cache is not None else 0
         try:
+            if s.x is None and s.continues is not None:  # copied here, in the engine's thread
+                s.x = s.continues.clone()
             if s.x is None:  # (a caller may hand over a state that holds the prompt already)
                 with self._inputs([s]):
                     s.x = prefill(model, s.prompt, marks=s.marks, cache=cache,

@@ -169,12 +169,9 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
     seqs = []
     for i, seed in enumerate(_seeds(body)):
         system = C.ChatSystem(setup, plan)
-        x = None
-        if entry is not None:
-            x = entry.state if i == 0 else entry.state.clone()
         s = ArcState(system, list(prompt), kernel=kernel, seed=seed, limits=lim, stop_ids=frozenset(tok.stop_ids()),
-                     messages=list(tmpl), marks=tuple(marks), name=f"{ident}-{i}", x=x, resume=list(resume),
-                     logprobs=logprobs)
+                     messages=list(tmpl), marks=tuple(marks), name=f"{ident}-{i}",
+                     continues=entry.state if entry is not None else None, resume=list(resume), logprobs=logprobs)
         try:
             s.constraint = system.turn(s, first=True)
         except InputError as exc:

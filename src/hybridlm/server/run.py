@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import threading
 import time
@@ -34,19 +35,43 @@ def _server(service: Service, *, api_key, max_body_bytes, log_level: str) -> uvi
 def serve(service: Service, *, host: str = "127.0.0.1", port: int = 8000, sock: socket.socket | None = None,
           api_key: str | None = None, max_body_bytes: int = 8 * 2**20, log_level: str = "info",
           on_ready=None) -> None:
-    """Serve until interrupted (on `sock`, or a socket bound to host:port); the engine stops with the server."""
+    """Serve until SIGINT or SIGTERM (on `sock`, or a socket bound to host:port).
+
+    The engine steps in this (the main) thread, the HTTP server runs in another (see
+    `Service.loop` for why); either one ending stops the other.
+    """
     sock = sock if sock is not None else bind(host, port)
     server = _server(service, api_key=api_key, max_body_bytes=max_body_bytes, log_level=log_level)
-    service.start()
-    if on_ready is not None:
-        on_ready(sock.getsockname()[1])
+
+    def http() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:
+            service.stop()
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    thread = threading.Thread(target=http, name="hybridlm-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
     try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn shuts down, then raises the captured SIGINT again: a clean stop
+        if server.started and on_ready is not None:
+            on_ready(sock.getsockname()[1])
+        if server.started:
+            service.loop()
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: a clean stop
         pass
     finally:
+        server.should_exit = True
+        service.stop()
+        thread.join(timeout=10)
         service.close()
         sock.close()
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
