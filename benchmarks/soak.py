@@ -1,6 +1,7 @@
 """Soak: N agent episodes back to back on one model, watching for leaks and lost records.
 
     python benchmarks/soak.py --episodes 1000 [--model SPEC] [--out soak.json] [--keep-traces DIR]
+    python benchmarks/soak.py --server --clients 8 --episodes 1000 [--out soak-server.json]
 
 Each episode is `HybridAgent(model, calculator).run(task, trace=...)` on a problem of the
 built-in evaluation (hybridlm.agent.evaluation.problems, cycled). After every episode the
@@ -10,6 +11,12 @@ passes the trace schema (hybridlm's reader), the last event is `end`, and its an
 the arc's. The summary says whether RSS after the first 50 episodes stays within ±5 % of its
 value at episode 50, and whether file descriptors, threads or children grew.
 Exit code 0 when every check holds, 1 otherwise.
+
+With --server the episodes go through `hybridlm serve --tools calculator` (a subprocess on
+127.0.0.1) from --clients concurrent clients: each episode is a chat request whose calculator
+calls the server runs itself; the figures are the server process's, read after every answered
+request, and each request's arc (GET /v1/arcs/{id}) is checked against the trace schema, ends
+with `end`, and its cause is the response's.
 """
 
 from __future__ import annotations
@@ -25,13 +32,15 @@ from pathlib import Path
 
 WARMUP = 50  # episodes before RSS is expected to be flat
 RSS_BAND = 0.05
+ANSWERED = ("stop_token", "token_budget", "jump_horizon")  # an arc that ended with an answer (a cut one too)
 
 
-def process_figures() -> dict:
-    """RSS (MiB), open fds, OS threads and live child processes of this process, from /proc."""
-    status = Path("/proc/self/status").read_text()
+def process_figures(pid: int | None = None) -> dict:
+    """RSS (MiB), open fds, OS threads and live child processes of a process (this one by default), from /proc."""
+    proc = Path("/proc") / (str(pid) if pid else "self")
+    status = (proc / "status").read_text()
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    me = str(os.getpid())
+    me = str(pid or os.getpid())
     children = 0
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
@@ -43,7 +52,7 @@ def process_figures() -> dict:
                 children += 1
     return {
         "rss_mib": int(fields["VmRSS"].split()[0]) / 1024,
-        "fds": len(os.listdir("/proc/self/fd")),
+        "fds": len(os.listdir(proc / "fd")),
         "threads": int(fields["Threads"]),
         "children": children,
     }
@@ -65,16 +74,18 @@ def check_trace(path: Path, arc) -> str | None:
     return None
 
 
-def summarise(rows: list[dict]) -> dict:
-    first = rows[0]
+def summarise(rows: list[dict], baseline: int = 0) -> dict:
+    """`baseline`: the episode whose fds, threads and children later ones are compared with (a
+    server's worker threads are made on demand over its first requests)."""
+    first = rows[min(baseline, len(rows) - 1)]
     after = rows[WARMUP - 1:] if len(rows) >= WARMUP else []
     reference = after[0]["rss_mib"] if after else None
     drift = max((abs(r["rss_mib"] - reference) / reference for r in after), default=None) if after else None
-    growth = {k: max(r[k] for r in rows) - first[k] for k in ("fds", "threads", "children")}
+    growth = {k: max(r[k] for r in rows[baseline:]) - first[k] for k in ("fds", "threads", "children")}
     last = {k: rows[-1][k] - first[k] for k in ("fds", "threads", "children")}
     return {
         "episodes": len(rows),
-        "rss_mib_first": round(first["rss_mib"], 1),
+        "rss_mib_first": round(rows[0]["rss_mib"], 1),
         "rss_mib_at_warmup": round(reference, 1) if reference else None,
         "rss_mib_last": round(rows[-1]["rss_mib"], 1),
         "rss_mib_max_after_warmup": round(max(r["rss_mib"] for r in after), 1) if after else None,
@@ -98,9 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--out", default=None, help="write every row and the summary as JSON here")
     parser.add_argument("--keep-traces", default=None, help="keep the traces in this folder (default: deleted)")
+    parser.add_argument("--server", action="store_true", help="through `hybridlm serve` with --clients clients")
+    parser.add_argument("--clients", type=int, default=8)
     args = parser.parse_args(argv)
     if args.episodes < 1:
         parser.error("--episodes must be ≥ 1")
+    if args.server:
+        return soak_server(args)
 
     from hybridlm import load_model
     from hybridlm.agent import HybridAgent, Limits, registry
@@ -125,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep_traces:
             trace.unlink(missing_ok=True)
         rows.append({"episode": episode + 1, "wall_s": round(wall, 3), "trace_ok": problem is None,
-                     "answer_recorded": isinstance(arc.answer, str) and arc.stop_reason in ("answer", "token_budget"),
+                     "answer_recorded": isinstance(arc.answer, str) and arc.stop_reason in ANSWERED,
                      "jumps": len(arc.jumps), "tool_errors": sum(j.error is not None for j in arc.jumps),
                      **process_figures()})
         r = rows[-1]
@@ -140,6 +155,94 @@ def main(argv: list[str] | None = None) -> int:
             folder.rmdir()
         except OSError:
             pass
+    print(json.dumps(summary, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    ok = (summary["traces_complete"] == summary["answers_recorded"] == len(rows) and summary["no_growth"]
+          and (summary["rss_flat"] or len(rows) < WARMUP))
+    return 0 if ok else 1
+
+
+def soak_server(args) -> int:
+    import concurrent.futures as cf
+    import re
+    import subprocess
+    import threading
+    import urllib.request
+
+    from hybridlm.agent.evaluation import problems
+    from hybridlm.agent.trace import read_trace
+    from hybridlm.errors import InputError
+
+    cmd = [sys.executable, "-m", "hybridlm.cli", "serve", "--port", "0", "--tools", "calculator", "--log-level",
+           "warning", "--max-arcs", "64"] + (["--model", args.model] if args.model else [])
+    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    line = ""
+    while "/v1" not in line:
+        line = server.stderr.readline()
+        if not line and server.poll() is not None:
+            raise SystemExit(f"the server exited ({server.returncode})")
+    url = re.search(r"(http://127\.0\.0\.1:\d+/v1)", line).group(1)
+    threading.Thread(target=server.stderr.read, daemon=True).start()  # drain its log
+    tasks = problems(min(args.episodes, 200))
+    lock = threading.Lock()
+    rows, problems_seen, t_start = [], [], time.perf_counter()
+    folder = Path(tempfile.mkdtemp(prefix="hybridlm-soak-"))
+
+    def post(path: str, body: dict) -> dict:
+        request = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as r:
+            return json.loads(r.read())
+
+    def episode(i: int) -> None:
+        task = tasks[i % len(tasks)]
+        t0 = time.perf_counter()
+        r = post("/chat/completions", {"model": "smollm2-135m", "messages": [{"role": "user", "content": task.question}],
+                                       "max_tokens": args.max_new_tokens, "temperature": 0, "seed": i})
+        wall = time.perf_counter() - t0
+        ext = r["hybridlm"]
+        trace = folder / f"episode{i:05d}.jsonl"
+        with urllib.request.urlopen(f"{url}/arcs/{ext['arcs'][0]}", timeout=60) as a:
+            trace.write_bytes(a.read())
+        problem = None
+        try:
+            events = read_trace(trace)
+            if not events or events[-1]["event"] != "end":
+                problem = f"arc {ext['arcs'][0]}: no end event"
+            elif events[-1]["stop_reason"] != ext["termination"][0]:
+                problem = f"arc {ext['arcs'][0]}: ends with {events[-1]['stop_reason']}, the response says {ext['termination'][0]}"
+        except InputError as exc:
+            problem = str(exc)
+        trace.unlink(missing_ok=True)
+        jumps = ext.get("jumps", [[]])[0]
+        with lock:
+            if problem:
+                problems_seen.append(problem)
+            rows.append({"episode": len(rows) + 1, "wall_s": round(wall, 3), "trace_ok": problem is None,
+                         "answer_recorded": isinstance(r["choices"][0]["message"]["content"], str)
+                         and ext["termination"][0] in ANSWERED,
+                         "jumps": len(jumps), "tool_errors": sum(j["error"] is not None for j in jumps),
+                         **process_figures(server.pid)})
+            row = rows[-1]
+            print(f"{row['episode']:>5} {wall:6.2f}s server rss {row['rss_mib']:7.1f} MiB fds {row['fds']:>3} "
+                  f"threads {row['threads']:>3} children {row['children']} jumps {row['jumps']}"
+                  f"{'' if problem is None else ' ARC: ' + problem}", file=sys.stderr, flush=True)
+
+    try:
+        with cf.ThreadPoolExecutor(args.clients) as pool:
+            for f in [pool.submit(episode, i) for i in range(args.episodes)]:
+                f.result()
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
+    summary = summarise(rows, baseline=WARMUP - 1)
+    summary["total_s"] = round(time.perf_counter() - t_start, 1)
+    summary["clients"] = args.clients
+    summary["trace_problems"] = problems_seen[:10]
     print(json.dumps(summary, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))

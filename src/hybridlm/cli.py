@@ -501,13 +501,15 @@ def _run_plant(model, reg, plan, task, *, kernel, limits, tool_choice, seed, cbf
               help="Largest request body (413 beyond).")
 @click.option("--max-jumps", default=3, show_default=True, type=click.IntRange(min=0),
               help="Jump horizon of a request's server-side tool calls.")
+@click.option("--max-arcs", default=1000, show_default=True, type=click.IntRange(min=1),
+              help="Arcs kept for GET /v1/arcs/{id} (the oldest dropped first).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @_mcp_options
 @_precision_option("auto")
 @_context_option
 def serve(model_spec, model_id, host, port, tools, kb, api_key, max_batch, max_queue, prefix_cache_mb,
-          continuation_mb, max_body_mb, max_jumps, log_level, mcp, mcp_timeout, precision, context_policy):
+          continuation_mb, max_body_mb, max_jumps, max_arcs, log_level, mcp, mcp_timeout, precision, context_policy):
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, tools, streaming)."""
     from hybridlm.agent.mcp import tool_registry
     from hybridlm.errors import InputError
@@ -528,7 +530,7 @@ def serve(model_spec, model_id, host, port, tools, kb, api_key, max_batch, max_q
         name = model_id or model_spec or "smollm2-135m"
         service = Service(model, model_id=name, tools=reg if reg.tools else None, max_batch=max_batch,
                           max_queue=max_queue, prefix_cache_mb=prefix_cache_mb, continuation_mb=continuation_mb,
-                          context=context_policy, max_jumps=max_jumps)
+                          context=context_policy, max_jumps=max_jumps, max_arcs=max_arcs)
 
         def ready(bound_port: int) -> None:
             served = ", ".join(t.name for t in reg) or "none"
