@@ -294,6 +294,17 @@ def test_response_format_json_schema_validates(client, stream):
     jsonschema.validate(json.loads(text), schema)
 
 
+def test_response_format_holds_beside_tools_that_may_not_be_called(client):
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+              "additionalProperties": False}
+    r = client.chat.completions.create(model=MODEL, messages=ask("Which city is the capital of France? JSON."),
+                                       tools=[WEATHER], tool_choice="none", max_tokens=30, temperature=0,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "c",
+                                                                                               "schema": schema}})
+    assert r.choices[0].message.tool_calls is None
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
 # ====================================================================== errors
 @pytest.mark.parametrize("kwargs, status, param, code", [
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),

@@ -136,22 +136,23 @@ class ChatSystem(AgentSystem):
         self.plan = plan
 
     def turn(self, s, *, first: bool):
+        """The turn's constraint: calls of the offered tools (or text), the answer's JSON Schema when
+        no call may be made, text that opens no call when tools are offered but not callable."""
         plan, setup = self.plan, self.agent
         budget = max(1, s.limits.max_token_steps - s.t)
-        if plan.offered:
-            choice = plan.tool_choice if first else "auto"
-            left = None
-            if not plan.client_tools:  # server-side jumps count against the jump horizon
-                left = min(s.limits.max_jumps - s.k, s.limits.max_jumps_per_step)
-                if left <= 0:
-                    choice = "none"
-            parallel = plan.parallel and (left is None or left > 1)
-            return tool_call_constraint(self.tokenizer, plan.offered, choice, parallel=parallel,
-                                        max_calls=left if parallel else None, budget=budget,
-                                        vocab_size=setup.vocab_size)
-        if plan.schema is not None:
+        choice = (plan.tool_choice if first else "auto") if plan.offered else "none"
+        left = None
+        if plan.offered and not plan.client_tools:  # server-side jumps count against the jump horizon
+            left = min(s.limits.max_jumps - s.k, s.limits.max_jumps_per_step)
+            if left <= 0:
+                choice = "none"
+        if choice == "none" and plan.schema is not None:
             return json_schema_constraint(self.tokenizer, plan.schema, budget=budget, vocab_size=setup.vocab_size)
-        return None
+        if not plan.offered:
+            return None
+        parallel = plan.parallel and (left is None or left > 1)
+        return tool_call_constraint(self.tokenizer, plan.offered, choice, parallel=parallel,
+                                    max_calls=left if parallel else None, budget=budget, vocab_size=setup.vocab_size)
 
     # C and f
     def controlled(self, s) -> bool:

@@ -128,7 +128,7 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
     parallel = body.parallel_tool_calls if body.parallel_tool_calls is not None else True
     stops = stop_list(body.stop)
     plan = C.ChatPlan(offered=offered, client_tools=frozenset(t["name"] for t in client), tool_choice=choice,
-                      parallel=parallel, schema=schema if not (offered and choice != "none") else None, stop=stops)
+                      parallel=parallel, schema=schema, stop=stops)
     if offered:
         try:  # every schema compiles before anything joins the engine
             tool_call_constraint(tok, offered, choice, parallel=parallel)
