@@ -81,20 +81,27 @@ class Int4Linear(DirectModule):
     """
 
     group = 32
+    rows_at_once = 4096
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         out, inp = weight.shape
         if inp % self.group:
             raise InputError(f"int4 needs input widths divisible by {self.group}, got {inp}")
-        w = weight.detach().float().contiguous().view(out, inp // self.group, self.group)
-        lo, hi = w.amin(-1), w.amax(-1)
-        d = ((hi - lo) / 15).clamp_min(2.0**-24).half()  # float16's least step: a flat group keeps d > 0
-        m = lo.half()
-        if not (torch.isfinite(d).all() and torch.isfinite(m).all()):
-            raise InputError(f"int4: weights up to {float(w.abs().max()):.3g} exceed float16's range of scales "
-                             f"and offsets (±65504)")
-        q = torch.round((w - m.float()[..., None]) / d.float()[..., None]).clamp(0, 15).to(torch.uint8)
+        groups = inp // self.group
+        d = torch.empty(out, groups, dtype=torch.float16)
+        m = torch.empty(out, groups, dtype=torch.float16)
+        q = torch.empty(out, groups, self.group, dtype=torch.uint8)
+        for r0 in range(0, out, self.rows_at_once):  # in blocks of rows: a readout's temporaries stay small
+            r1 = min(r0 + self.rows_at_once, out)
+            w = weight[r0:r1].detach().float().contiguous().view(r1 - r0, groups, self.group)
+            lo, hi = w.amin(-1), w.amax(-1)
+            d[r0:r1] = ((hi - lo) / 15).clamp_min(2.0**-24).half()  # float16's least step: a flat group keeps d > 0
+            m[r0:r1] = lo.half()
+            if not (torch.isfinite(d[r0:r1]).all() and torch.isfinite(m[r0:r1]).all()):
+                raise InputError(f"int4: weights up to {float(w.abs().max()):.3g} exceed float16's range of scales "
+                                 f"and offsets (±65504)")
+            q[r0:r1] = torch.round((w - m[r0:r1].float()[..., None]) / d[r0:r1].float()[..., None]).clamp(0, 15)
         self.register_buffer("packed", (q[..., :16] | (q[..., 16:] << 4)).view(out, inp // 2).contiguous())
         self.register_buffer("d_bits", d.contiguous().view(torch.int16))
         self.register_buffer("m_bits", m.contiguous().view(torch.int16))
@@ -201,6 +208,39 @@ def set_precision(model, precision: str):
         _quantize_linears(model, kind)
         _rows_contiguous(model)
         model.readout_map = RefinedReadout(model.unembedding, kind=kind)
+    model.precision = precision
+    return model
+
+
+def quantized_model(cfg, weights, precision: str):
+    """A DecoderLM of `cfg` on int8 or int4 weights built from `weights` (a state dict, or a
+    Mapping that reads each tensor when asked) without a float32 copy of the model: the
+    skeleton is made on the "meta" device, each affine map is quantised from its float32
+    weight as it is read, and only what stays float32 (W_e, norms, biases) is materialised.
+    The same model as `set_precision(float32 model, precision)`, bit for bit."""
+    from hybridlm.lm.model import DecoderLM
+    from hybridlm.lm.positions import Rotary
+
+    kind = Int8Linear if precision == "int8" else Int4Linear
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    for owner_name, owner in list(model.named_modules()):
+        for name, child in list(owner.named_children()):
+            if isinstance(child, Linear):
+                full = f"{owner_name}.{name}" if owner_name else name
+                bias = weights[f"{full}.bias"] if child.bias is not None else None
+                setattr(owner, name, kind(weights[f"{full}.weight"], bias))
+    for full, param in list(model.named_parameters()):
+        if param.is_meta:
+            owner_name, _, name = full.rpartition(".")
+            owner = model.get_submodule(owner_name) if owner_name else model
+            setattr(owner, name, nn.Parameter(weights[full].contiguous(), requires_grad=False))
+    if model.rotary is not None:
+        model.rotary = Rotary(cfg)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t is not None and t.is_meta]
+    if left:
+        raise InputError(f"quantised build: {left[:3]} were not materialised")
+    model.readout_map = RefinedReadout(model.unembedding, kind=kind)
     model.precision = precision
     return model
 

@@ -16,11 +16,19 @@ from hybridlm.lm.config import ModelConfig
 from hybridlm.lm.model import DecoderLM
 from hybridlm.tokenizer import Tokenizer
 
-Weights = dict[str, torch.Tensor]  # a state dict of `DecoderLM`
+Weights = dict[str, torch.Tensor]  # a state dict of `DecoderLM` (or a Mapping that reads each tensor when asked)
 
 
-def assemble(cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None, *, origin: str) -> DecoderLM:
-    """`DecoderLM(cfg)` holding `weights` (checked name by name and shape by shape)."""
+def _shape(weights, name: str) -> tuple[int, ...]:
+    """A tensor's shape, without reading it where the source can tell (`LazyWeights.shape`)."""
+    shape = getattr(weights, "shape", None)
+    return tuple(shape(name)) if callable(shape) else tuple(weights[name].shape)
+
+
+def assemble(cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None, *, origin: str,
+             precision: str = "float32") -> DecoderLM:
+    """`DecoderLM(cfg)` holding `weights` (checked name by name and shape by shape); with precision
+    int8 or int4 built quantised, without a float32 copy (hybridlm.lm.quantize.quantized_model)."""
     present = {int(name.split(".")[1]) for name in weights
                if name.startswith("blocks.") and name.split(".")[1].isdigit()}
     absent = [layer for layer in range(cfg.n_layer) if layer not in present]
@@ -37,12 +45,22 @@ def assemble(cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None, *,
             f"{origin}: weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
-            found = tuple(weights[name].shape)
+        found = _shape(weights, name)
+        if found != shape:
             raise WeightsError(f"{origin}: {name} has shape {found}, the config implies {shape}")
+    if precision in ("int8", "int4"):
+        from hybridlm.lm.quantize import quantized_model
+
+        model = quantized_model(cfg, weights, precision)
+        model.tokenizer = tokenizer
+        return model
     model = DecoderLM(cfg)
     # Copy into the model's own (anonymous, aligned) memory rather than assigning the
     # tensors: weights left on a file mapping stream several times slower in a decode step.
-    model.load_state_dict(weights, strict=True)
+    # One tensor at a time, so that a source that reads each when asked (the float32 cache)
+    # never holds a second copy of the whole model.
+    with torch.no_grad():
+        for name, target in model.state_dict(keep_vars=True).items():
+            target.copy_(weights[name])
     model.tokenizer = tokenizer
     return model

@@ -20,6 +20,7 @@ rebuilt from the GGUF file.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 import hashlib
 import importlib.util
 import json
@@ -99,21 +100,23 @@ def source_name(path: Path) -> str:
 
 
 # ====================================================================== the entry point
-def load_gguf_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> DecoderLM:
-    """A `DecoderLM` with the weights, config and tokenizer of a Llama-architecture GGUF file."""
+def load_gguf_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                    precision: str = "float32") -> DecoderLM:
+    """A `DecoderLM` with the weights, config and tokenizer of a Llama-architecture GGUF file
+    (int8 or int4 `precision`: built quantised from the float32 cache, hybridlm.lm.quantize)."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise ModelNotFoundError(f"{path}: no such GGUF file")
     cache = cache_file(file_sha256(path))
-    model = load_cached(cache)
+    model = load_cached(cache, precision=precision)
     if model is None:
         cfg, weights, tokenizer = read_gguf(path, progress=f"hybridlm: first use of {path.name}, building "
                                                            "its float32 cache (once)")
-        model = assemble(cfg, weights, tokenizer, origin=path.name)
         write_cache(cache, cfg, weights, tokenizer)
+        model = assemble(cfg, weights, tokenizer, origin=path.name, precision=precision)
     model.source = source_name(path)
     model.gguf_path = path  # the file itself, for references that run it (llama.cpp)
-    return model.to(dtype).eval()
+    return model.eval() if model.precision in ("int8", "int4") else model.to(dtype).eval()
 
 
 # ====================================================================== reading the file
@@ -384,7 +387,7 @@ def file_sha256(path: Path) -> str:
     return digest
 
 
-def load_cached(file: Path) -> DecoderLM | None:
+def load_cached(file: Path, *, precision: str = "float32") -> DecoderLM | None:
     """The model from a cache file; None (with a warning if the file is corrupt) when it cannot serve."""
     if not file.exists():
         return None
@@ -393,16 +396,64 @@ def load_cached(file: Path) -> DecoderLM | None:
 
         with safe_open(file, framework="pt") as f:
             meta = f.metadata() or {}
-            if meta.get("format") != CACHE_FORMAT:
-                raise ValueError(f"format {meta.get('format')!r}, expected {CACHE_FORMAT!r}")
-            weights = {name: f.get_tensor(name) for name in f.keys()}
+        if meta.get("format") != CACHE_FORMAT:
+            raise ValueError(f"format {meta.get('format')!r}, expected {CACHE_FORMAT!r}")
         cfg = ModelConfig.from_dict(json.loads(meta["config"]))
         tokenizer = tokenizer_from_json(json.loads(meta["tokenizer"]))
-        return assemble(cfg, weights, tokenizer, origin=file.name)
+        with LazyWeights(file) as weights:
+            return assemble(cfg, weights, tokenizer, origin=file.name, precision=precision)
     except Exception as exc:  # any failure means: rebuild from the GGUF file
         reason = f"{type(exc).__name__}: {exc}"
         warnings.warn(f"hybridlm: cache file {file} is unreadable ({reason}); rebuilding it", stacklevel=3)
         return None
+
+
+class LazyWeights(Mapping):
+    """The tensors of a safetensors file, each read from the file when asked (its shape without
+    reading). Read, not mapped: a mapped file's pages count in the process's resident memory
+    until it is closed, so copying a whole model out of a mapping costs the model twice."""
+
+    _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+               "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+               "F64": torch.float64}
+
+    def __init__(self, path: Path) -> None:
+        from hybridlm.weights.hub import check_safetensors_header
+
+        self.table = check_safetensors_header(path)
+        self._fh = open(path, "rb")
+        self.start = 8 + int.from_bytes(self._fh.read(8), "little")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        entry = self.table[name]
+        begin, end = entry["data_offsets"]
+        buffer = bytearray(end - begin)
+        view = memoryview(buffer)
+        done = 0
+        while done < len(buffer):
+            got = os.preadv(self._fh.fileno(), [view[done:]], self.start + begin + done)
+            if got <= 0:
+                raise ValueError(f"{name}: the file ends inside the tensor")
+            done += got
+        dtype = self._DTYPES[entry["dtype"]]
+        if not buffer:
+            return torch.empty(entry["shape"], dtype=dtype)
+        return torch.frombuffer(buffer, dtype=dtype).view(entry["shape"])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.table[name]["shape"])
+
+    def __iter__(self):
+        return iter(self.table)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __enter__(self) -> "LazyWeights":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._fh.close()
 
 
 def write_cache(file: Path, cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None) -> None:

@@ -49,7 +49,19 @@ def load_model(
         raise InputError(f"precision {precision!r}: expected one of {', '.join(PRECISION_CHOICES)}")
     if dtype is None:
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    model = _load(DEFAULT_MODEL if spec is None else spec, seed=seed, dtype=dtype)
+    spec = DEFAULT_MODEL if spec is None else spec
+    direct = None  # a GGUF model can be built quantised straight from its cache
+    if precision is not None and torch.device(device).type == "cpu" and dtype == torch.float32:
+        path = _gguf_file(spec)
+        if path is not None:
+            direct = file_precision(path) if precision == "auto" else precision
+            direct = direct if direct in ("int8", "int4") else None
+    if direct is not None:
+        from hybridlm.weights.gguf import load_gguf_model
+
+        model = load_gguf_model(path, precision=direct)
+    else:
+        model = _load(spec, seed=seed, dtype=dtype)
     model = model.to(device).eval().requires_grad_(False)
     if precision is not None:
         chosen = native_precision(model) if precision == "auto" else precision
@@ -58,6 +70,19 @@ def load_model(
 
             set_precision(model, chosen)
     return model
+
+
+def _gguf_file(spec) -> Path | None:
+    """The GGUF file a spec names (the embedded model's, or a .gguf path), else None."""
+    if not isinstance(spec, (str, os.PathLike)):
+        return None
+    name = os.fspath(spec)
+    if name in GGUF_NAMES:
+        from hybridlm.weights.gguf import smollm2_path
+
+        return smollm2_path()
+    path = Path(name).expanduser()
+    return path if path.is_file() and path.suffix.lower() == ".gguf" else None
 
 
 def native_precision(model) -> str:
