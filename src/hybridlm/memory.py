@@ -33,6 +33,18 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_NEVER))
 
 
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the kernel now (glibc's malloc_trim; nothing elsewhere).
+
+    For one-time work that frees as much as it keeps (building a quantised model matrix by
+    matrix): glibc raises its mmap threshold to the size of the blocks freed, so the next
+    blocks come from the heap, where freed ones stay resident unless trimmed."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 configured = False  # whether configure() ran in this process
 
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from hybridlm.lm import kernels
 from hybridlm.errors import InputError
+from hybridlm.memory import return_freed_memory
 from hybridlm.lm.direct import DirectModule
 from hybridlm.lm.linear import Linear
 
@@ -230,6 +231,7 @@ def quantized_model(cfg, weights, precision: str):
                 full = f"{owner_name}.{name}" if owner_name else name
                 bias = weights[f"{full}.bias"] if child.bias is not None else None
                 setattr(owner, name, kind(weights[f"{full}.weight"], bias))
+                return_freed_memory()  # each matrix's float32 copy and temporaries, gone
     for full, param in list(model.named_parameters()):
         if param.is_meta:
             owner_name, _, name = full.rpartition(".")
@@ -242,6 +244,7 @@ def quantized_model(cfg, weights, precision: str):
         raise InputError(f"quantised build: {left[:3]} were not materialised")
     model.readout_map = RefinedReadout(model.unembedding, kind=kind)
     model.precision = precision
+    return_freed_memory()
     return model
 
 
