@@ -385,3 +385,28 @@ def test_the_prompt_follows_the_tools_offered(smol):
     assert len(Protocol(smol, weather).messages("hi")) == 2  # no calculator example
     calc = Protocol(smol, registry(["calculator"]))
     assert "calculator for every calculation" in calc.system_prompt() and len(calc.messages("hi")) > 2
+
+
+def test_tool_schemas_that_refer_into_themselves_are_constrained(smol):
+    """A tool whose arguments use $defs (as pydantic-made MCP schemas do) beside one that does not:
+    calls of either validate against their own schema with jsonschema."""
+    from hybridlm.constraints import tool_call_constraint
+
+    point = {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+             "required": ["x", "y"]}
+    box = {"$defs": {"Point": point}, "type": "object", "required": ["box"], "properties": {"box": {
+        "type": "object", "properties": {"low": {"$ref": "#/$defs/Point"}, "high": {"$ref": "#/$defs/Point"}},
+        "required": ["low", "high"]}}}
+    tools = [{"name": "area", "parameters": box},
+             {"name": "echo", "parameters": {"type": "object", "properties": {"s": {"type": "string"}}}}]
+    for seed in range(6):
+        c = tool_call_constraint(smol, tools, "required", budget=120, vocab_size=smol.vocab_size)
+        g = torch.Generator().manual_seed(seed)
+        while not c.finished:
+            allowed = c.mask()
+            z = torch.randn(smol.vocab_size, generator=g)
+            if allowed is not None:
+                z = z.masked_fill(~allowed[: z.shape[0]], float("-inf"))
+            c.advance(int(torch.multinomial(torch.softmax(z, -1), 1, generator=g)))
+        (call,) = c.calls()
+        jsonschema.validate(call.arguments, box if call.name == "area" else tools[1]["parameters"])

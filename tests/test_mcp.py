@@ -205,7 +205,11 @@ def test_agent_cli_with_an_mcp_server_jumps_to_it(smollm2, tmp_path):
         assert first["error"] is None and first["observation"] == str(first["arguments"]["a"] + first["arguments"]["b"])
     else:  # whichever tool the model chose, its observation is the server's answer to those arguments
         assert first["error"] in (None, "tool_error", "timeout") and first["observation"]
-    assert "box_area of hybridlm-test is not offered" in result.output  # named, not a crash
+    # box_area's schema refers to its own $defs (a nested pydantic model): offered and constrained
+    # like every tool (its pointers rebased under the turn's schema), no tool left out
+    assert "not offered" not in result.output
+    start = read_trace(trace)[0]
+    assert "box_area" in {t["name"] for t in start["tools"]}
 
 
 def test_server_spec_parsing():

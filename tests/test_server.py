@@ -275,6 +275,30 @@ def test_server_side_tools_run_the_agents_jump_map(smollm2):
         assert len(leave) == len(ref.jumps) and all(e["reason"] == "q_E" for e in leave)
 
 
+def test_server_side_mcp_tool_is_a_jump_of_the_request(smollm2):
+    """--mcp on serve: a real MCP server (tests/mcp_server.py, stdio) offers `add`; a request that
+    brings no tools gets it, the server runs the call, and the arc names the tool's server."""
+    from pathlib import Path
+
+    from hybridlm.agent.mcp import tool_registry
+
+    server = f"{sys.executable} {Path(__file__).with_name('mcp_server.py')}"
+    script = '<tool_call>{"name": "add", "arguments": {"a": 20, "b": 22}}</tool_call>'
+    with tool_registry("none", mcp=[server]) as reg:
+        service = Service(ScriptedModel(smollm2.tokenizer, [script, "The sum is 42."]), model_id="scripted",
+                          tools=reg)
+        with running(service) as url:
+            c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+            r = c.chat.completions.create(model="scripted", messages=ask("Add 20 and 22."), tool_choice="required",
+                                          max_tokens=80, temperature=0)
+            (jumps,) = r.model_extra["hybridlm"]["jumps"]
+            assert [(j["tool"], j["arguments"], j["observation"], j["error"]) for j in jumps] == \
+                [("add", {"a": 20, "b": 22}, "42", None)]
+            assert r.choices[0].message.tool_calls is None and "42" in r.choices[0].message.content
+            (jump,) = [e for e in arc_events(url, r.model_extra["hybridlm"]["arcs"][0]) if e["event"] == "jump"]
+            assert jump["server"] is not None
+
+
 # ====================================================================== structured output
 @pytest.mark.parametrize("stream", [False, True])
 def test_response_format_json_schema_validates(client, stream):

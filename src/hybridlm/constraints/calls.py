@@ -228,9 +228,48 @@ def tool_schema(schema, max_string: int | None = None):
     return out
 
 
-def _call_schema(name: str, parameters: dict, max_string: int | None) -> dict:
-    return {"type": "object", "properties": {"name": {"const": name}, "arguments": tool_schema(parameters, max_string)},
+def _call_schema(name: str, arguments: dict) -> dict:
+    return {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
             "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _local_refs(schema) -> bool:
+    """Whether a schema holds a `$ref` into itself ("#...")."""
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        return (isinstance(ref, str) and ref.startswith("#")) or any(_local_refs(v) for v in schema.values())
+    if isinstance(schema, list):
+        return any(_local_refs(v) for v in schema)
+    return False
+
+
+def _rebase_refs(schema, base: str):
+    """The schema with every `$ref` into itself ("#/…") pointing at the same place under `base`."""
+    if isinstance(schema, dict):
+        out = {k: _rebase_refs(v, base) for k, v in schema.items()}
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            out["$ref"] = base + ref[1:]
+        return out
+    if isinstance(schema, list):
+        return [_rebase_refs(v, base) for v in schema]
+    return schema
+
+
+def _arguments(specs: dict, max_string: int | None) -> tuple[dict, dict]:
+    """Each tool's argument schema as the call's "arguments", and the root's $defs: a schema that
+    refers into itself (its own $defs, "#") is moved under the root's $defs and its pointers
+    rebased, since inside the turn's schema "#" is the root (an MCP server's nested models)."""
+    arguments, defs = {}, {}
+    for i, (name, params) in enumerate(specs.items()):
+        schema = tool_schema(params, max_string)
+        if _local_refs(schema):
+            key = f"tool{i}"
+            defs[key] = _rebase_refs(schema, f"#/$defs/{key}")
+            arguments[name] = {"$ref": f"#/$defs/{key}"}
+        else:
+            arguments[name] = schema
+    return arguments, defs
 
 
 def _lark(specs: dict, choice: str, parallel: bool, max_calls: int | None, max_string: int | None) -> str:
@@ -238,8 +277,11 @@ def _lark(specs: dict, choice: str, parallel: bool, max_calls: int | None, max_s
     free = "TEXT: /(?s:.*)/"
     if choice == "none":
         return "start: NO_CALL\nNO_CALL: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/\n"
-    body = {"anyOf": [_call_schema(n, p, max_string) for n, p in specs.items()], "x-guidance": {
-        **library.JSON_FORMAT, "lenient": True}}
+    arguments, defs = _arguments(specs, max_string)
+    body = {"anyOf": [_call_schema(n, arguments[n]) for n in specs], "x-guidance": {**library.JSON_FORMAT,
+                                                                                  "lenient": True}}
+    if defs:
+        body["$defs"] = defs
     more = "" if not parallel else (f' ("\\n"? call){{0,{max_calls - 1}}}' if max_calls else ' ("\\n"? call)*')
     lines = [
         f"body: %json {json.dumps(body)}",

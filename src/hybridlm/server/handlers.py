@@ -109,6 +109,11 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
         choice = "auto" if offered else "none"
     elif not isinstance(choice, str):
         choice = choice.function.name
+    names = [t["name"] for t in offered]
+    if choice == "required" and not offered:
+        raise invalid("tool_choice 'required' needs tools (the request's, or the server's --tools)", param="tool_choice")
+    if choice not in ("auto", "required", "none") and choice not in names:
+        raise invalid(f"tool_choice names {choice!r}, which is not among the tools {names[:8]}", param="tool_choice")
     if not offered:
         choice = "none"
     schema = None
