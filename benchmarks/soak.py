@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--episodes", type=int, default=1000)
     parser.add_argument("--model", default=None, help="load_model spec (default: the embedded SmolLM2)")
+    parser.add_argument("--precision", default="auto", help="as hybridlm agent's --precision (default: auto)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--out", default=None, help="write every row and the summary as JSON here")
     parser.add_argument("--keep-traces", default=None, help="keep the traces in this folder (default: deleted)")
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     from hybridlm.agent import HybridAgent, Limits, registry
     from hybridlm.agent.evaluation import problems
 
-    model = load_model(args.model)
+    model = load_model(args.model, precision=args.precision)
     agent = HybridAgent(model, registry(["calculator"]), limits=Limits(max_token_steps=args.max_new_tokens))
     tasks = problems(min(args.episodes, 200))
     folder = Path(args.keep_traces) if args.keep_traces else Path(tempfile.mkdtemp(prefix="hybridlm-soak-"))
@@ -175,7 +176,7 @@ def soak_server(args) -> int:
     from hybridlm.errors import InputError
 
     cmd = [sys.executable, "-m", "hybridlm.cli", "serve", "--port", "0", "--tools", "calculator", "--log-level",
-           "warning", "--max-arcs", "64"] + (["--model", args.model] if args.model else [])
+           "warning", "--max-arcs", "64", "--precision", args.precision] + (["--model", args.model] if args.model else [])
     server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     line = ""
     while "/v1" not in line:
