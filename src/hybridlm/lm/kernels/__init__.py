@@ -363,7 +363,15 @@ def _cpu_flags() -> list[str]:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return []
     have = set((cpuinfo("flags") or "").split())
-    return ["-mavx2", "-mfma", "-mf16c"] if {"avx2", "fma", "f16c"} <= have else []
+    if not {"avx2", "fma", "f16c"} <= have:
+        return []
+    return ["-mavx2", "-mfma", "-mf16c"] + (["-mavx512f"] if "avx512f" in have and _avx512_wanted() else [])
+
+
+def _avx512_wanted() -> bool:
+    """AVX-512 for the affine kernel's rows of several sequences (the same bits as AVX2, each
+    output's multiply-adds in the same order); HYBRIDLM_AVX512=off leaves it out."""
+    return os.environ.get("HYBRIDLM_AVX512", "on").lower() not in ("0", "off", "no", "false")
 
 
 def warn_unavailable() -> None:

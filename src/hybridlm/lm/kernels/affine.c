@@ -52,6 +52,25 @@ static inline void quad(int64_t R, int64_t K, const float *x, const float *wt, i
         return;
     }
     int64_t o = o0;
+#ifdef __AVX512F__
+    if (q == QUAD)
+        for (; o + 32 <= o1; o += 32) { /* 32 columns in two 16-wide vectors (each output's order unchanged) */
+            const __m512 v0 = _mm512_loadu_ps(w0 + o), v1 = _mm512_loadu_ps(w1 + o), v2 = _mm512_loadu_ps(w2 + o),
+                         v3 = _mm512_loadu_ps(w3 + o), e0 = _mm512_loadu_ps(w0 + o + 16),
+                         e1 = _mm512_loadu_ps(w1 + o + 16), e2 = _mm512_loadu_ps(w2 + o + 16),
+                         e3 = _mm512_loadu_ps(w3 + o + 16);
+            for (int64_t r = 0; r < R; ++r) {
+                const float *xr = x + r * K + k0;
+                float *yr = y + r * ldy + o;
+                __m512 a = _mm512_loadu_ps(yr), c = _mm512_loadu_ps(yr + 16), u = _mm512_set1_ps(xr[0]);
+                a = _mm512_fmadd_ps(u, v0, a), c = _mm512_fmadd_ps(u, e0, c), u = _mm512_set1_ps(xr[1]);
+                a = _mm512_fmadd_ps(u, v1, a), c = _mm512_fmadd_ps(u, e1, c), u = _mm512_set1_ps(xr[2]);
+                a = _mm512_fmadd_ps(u, v2, a), c = _mm512_fmadd_ps(u, e2, c), u = _mm512_set1_ps(xr[3]);
+                a = _mm512_fmadd_ps(u, v3, a), c = _mm512_fmadd_ps(u, e3, c);
+                _mm512_storeu_ps(yr, a), _mm512_storeu_ps(yr + 16, c);
+            }
+        }
+#endif
     if (q == QUAD)
         for (; o + 16 <= o1; o += 16) { /* 16 columns: each input broadcast once for two vectors */
             const __m256 v0 = _mm256_loadu_ps(w0 + o), v1 = _mm256_loadu_ps(w1 + o), v2 = _mm256_loadu_ps(w2 + o),
