@@ -257,6 +257,21 @@ def test_auto_is_free_text_until_a_call_opens(smol):
     assert c.finished and c.calls()[0].arguments == {"a": 2, "b": -0.5}
 
 
+def test_a_fresh_copy_starts_over_and_leaves_the_original(smol):
+    used = tool_call_constraint(smol, TOOLS, "auto", budget=100)
+    feed(used, smol.encode("Let me add them. <tool_call>"))
+    fresh, compiled = used.fresh(), tool_call_constraint(smol, TOOLS, "auto", budget=100)
+    assert fresh.tokens == [] and fresh.remaining == 100 and used.in_call
+    text = '{"name": "add", "arguments": {"a": -3, "b": 1}}</tool_call>'
+    for t in smol.encode("<tool_call>" + text):  # the copy and a new compilation allow the same tokens
+        a, b = fresh.mask(), compiled.mask()
+        assert (a is None and b is None) or torch.equal(a, b)
+        fresh.advance(t), compiled.advance(t)
+    assert fresh.calls()[0].arguments == {"a": -3, "b": 1} == compiled.calls()[0].arguments
+    feed(used, smol.encode(text))  # the original went on where it was
+    assert used.calls()[0].arguments == {"a": -3, "b": 1} and used.answer() == "Let me add them. "
+
+
 def test_required_opens_the_turn_with_a_call(smol):
     c = tool_call_constraint(smol, TOOLS, "required")
     allowed = torch.nonzero(c.mask()).flatten().tolist()

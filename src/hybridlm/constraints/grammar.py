@@ -14,6 +14,8 @@ allows. A runaway string then ends with its closing quote and the call is still 
 
 from __future__ import annotations
 
+import copy
+
 import llguidance
 import numpy as np
 import torch
@@ -41,6 +43,16 @@ class GrammarConstraint:
         self.tokens: list[int] = []
         self._buffer = library.MaskBuffer(self.lib.vocab_size)
         self._forced: int | None = None  # the witness token the last mask allowed alone
+
+    def fresh(self) -> "GrammarConstraint":
+        """The same constraint at its start, sharing the compiled grammar (another turn with the
+        same tools or schema costs no compilation)."""
+        new = copy.copy(self)
+        new.matcher = self.matcher.deep_copy()
+        new.matcher.reset()
+        new.tokens, new._forced = [], None
+        new._buffer = library.MaskBuffer(self.lib.vocab_size)
+        return new
 
     # ------------------------------------------------------------------ the protocol
     def mask(self) -> torch.Tensor | None:
