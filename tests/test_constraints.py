@@ -270,6 +270,9 @@ def test_a_fresh_copy_starts_over_and_leaves_the_original(smol):
     assert fresh.calls()[0].arguments == {"a": -3, "b": 1} == compiled.calls()[0].arguments
     feed(used, smol.encode(text))  # the original went on where it was
     assert used.calls()[0].arguments == {"a": -3, "b": 1} and used.answer() == "Let me add them. "
+    assert used.fresh(budget=None).remaining is None and used.fresh(budget=7).remaining == 7
+    with pytest.raises(InputError, match="budget 0"):
+        used.fresh(budget=0)
 
 
 def test_required_opens_the_turn_with_a_call(smol):

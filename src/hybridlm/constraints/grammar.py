@@ -44,10 +44,15 @@ class GrammarConstraint:
         self._buffer = library.MaskBuffer(self.lib.vocab_size)
         self._forced: int | None = None  # the witness token the last mask allowed alone
 
-    def fresh(self) -> "GrammarConstraint":
+    def fresh(self, budget: int | None | str = "same") -> "GrammarConstraint":
         """The same constraint at its start, sharing the compiled grammar (another turn with the
-        same tools or schema costs no compilation)."""
+        same tools or schema costs no compilation), with the same token budget or `budget`."""
+        if budget == "same":
+            budget = self.budget
+        elif budget is not None and budget < 1:
+            raise InputError(f"constraint budget {budget}: expected ≥ 1 token")
         new = copy.copy(self)
+        new.budget = budget
         new.matcher = self.matcher.deep_copy()
         new.matcher.reset()
         new.tokens, new._forced = [], None
