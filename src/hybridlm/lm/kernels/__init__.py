@@ -66,7 +66,7 @@ class AffineKernel:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._affine = _function(lib.hybridlm_affine, [p, i64, i64, p, i64, p, i64, p])
+        self._affine = _function(lib.hybridlm_affine, [p, i64, i64, p, i64, p, i64, p], ctypes.c_int)
 
     @staticmethod
     def applies(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> bool:
@@ -84,9 +84,9 @@ class AffineKernel:
         K, N = x.shape[-1], W.shape[0]
         y = x.new_empty(x.shape[:-1] + (N,))
         R = x.numel() // K if K else 0
-        if R:
-            self._affine(x.data_ptr(), R, K, W.data_ptr(), W.stride(1), None if b is None else b.data_ptr(), N,
-                         y.data_ptr())
+        if R and self._affine(x.data_ptr(), R, K, W.data_ptr(), W.stride(1), None if b is None else b.data_ptr(),
+                              N, y.data_ptr()):
+            raise MemoryError(f"affine kernel: no memory for a partial sum of {R} × {N} floats")
         return y
 
 

@@ -1,24 +1,30 @@
 /* The float32 affine map of a token step, batch-invariant (see hybridlm/lm/kernels/__init__.py).
  *
- *   y[r, o] = (Σ_k x[r, k] · W[o, k]) + b[o]
+ *   y[r, o] = (S₀[r, o] + S₁[r, o]) + b[o],   S₀ = Σ_{k < h} x[r, k] · W[o, k],   S₁ = Σ_{k ≥ h} …
  *
- * with the sum taken in the order k = 0, 1, …, K − 1 for every (r, o): one fused multiply-add per
- * k into that output's own accumulator, then the bias. Every output is the same sequence of
- * roundings whatever the number of rows R, the tiling of rows and columns, or the thread count,
- * so a row's result does not depend on the rows beside it: a sequence of a batch gets the bits
- * it gets alone (a BLAS picks its kernels and splits by the shape, and does not).
+ * with h = half(K) fixed by K alone, and each partial sum taken in the order of k: one fused
+ * multiply-add per k into that output's own accumulator, from zero. Every output is the same
+ * sequence of roundings whatever the number of rows R, the tiling of rows and columns, or the
+ * thread count, so a row's result does not depend on the rows beside it: a sequence of a batch
+ * gets the bits it gets alone (a BLAS picks its kernels and splits by the shape, and does not).
  *
  * Layout: W is stored column by column, as every hybridlm.lm.linear.Linear stores it: Wᵀ is a
  * contiguous [K, ldw] matrix and W[o, k] = Wt[k · ldw + o]. Each step of k then reads one row of
  * Wᵀ, the "axpy" order of a matrix-vector product, which streams the weights once for all rows.
  *
- * The AVX2 path gives each thread of PyTorch's OpenMP pool its own contiguous columns and
- * streams the rows of Wᵀ past them four at a time (four long sequential reads, the outputs in
- * cache, the four multiply-adds of an output in the order of k), once for all rows of x.
- * Without AVX2 and FMA the same order runs as plain loops (with separate multiply and add:
- * -ffp-contract=off), a different but equally batch-invariant rounding.
+ * Why two halves: a token step of one sequence is bound by how fast the weights stream in. With
+ * the two halves of K on two threads, each reads one contiguous block of Wᵀ; split by columns
+ * instead, each read a short piece of every row, and a 576-wide matrix streamed a third slower.
+ * More threads split each half's columns as well.
+ *
+ * The AVX2 path streams the rows of Wᵀ past a block of outputs held in cache, several rows at a
+ * time (the multiply-adds of an output still in the order of k), once for all rows of x; with
+ * AVX-512, 16 or 32 columns at a time (the same bits). Without AVX2 and FMA the same sums run as
+ * plain loops (separate multiply and add: -ffp-contract=off), a different but equally
+ * batch-invariant rounding.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -29,28 +35,18 @@
 #define HYBRIDLM_AVX2 1
 #endif
 
-enum { QUAD = 4, BLOCK = 8192 };
+enum { QUAD = 4, ROWS1 = 16, BLOCK = 8192 };
+
+/* Where S₁ begins: half of K, a whole number of quads (S₀ is empty below 2·QUAD). */
+static inline int64_t half(int64_t K) { return K / 2 / QUAD * QUAD; }
 
 #ifdef HYBRIDLM_AVX2
 /* Rows r < R of y, columns o0 ≤ o < o1 (a multiple of 8 apart), advanced by the k-rows
  * k0 ≤ k < k0 + q of Wᵀ (q ≤ 4), in the order of k: y ← fma(x[r, k], Wᵀ[k, o], y) for k = k0, k0 + 1, …
- * Each of the q rows of Wᵀ streams past once, contiguous, for all R rows of x. */
-static inline void quad(int64_t R, int64_t K, const float *x, const float *wt, int64_t ldw, int64_t k0, int q,
+ * Each of the q rows of Wᵀ streams past once, contiguous, for all R rows of x (row stride ldx). */
+static inline void quad(int64_t R, int64_t ldx, const float *x, const float *wt, int64_t ldw, int64_t k0, int q,
                         int64_t o0, int64_t o1, float *y, int64_t ldy) {
     const float *w0 = wt + k0 * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
-    if (R == 1 && q == QUAD) { /* a token step of one sequence: the four inputs held in registers */
-        const __m256 u0 = _mm256_broadcast_ss(x + k0), u1 = _mm256_broadcast_ss(x + k0 + 1);
-        const __m256 u2 = _mm256_broadcast_ss(x + k0 + 2), u3 = _mm256_broadcast_ss(x + k0 + 3);
-        for (int64_t o = o0; o < o1; o += 8) {
-            __m256 a = _mm256_loadu_ps(y + o);
-            a = _mm256_fmadd_ps(u0, _mm256_loadu_ps(w0 + o), a);
-            a = _mm256_fmadd_ps(u1, _mm256_loadu_ps(w1 + o), a);
-            a = _mm256_fmadd_ps(u2, _mm256_loadu_ps(w2 + o), a);
-            a = _mm256_fmadd_ps(u3, _mm256_loadu_ps(w3 + o), a);
-            _mm256_storeu_ps(y + o, a);
-        }
-        return;
-    }
     int64_t o = o0;
 #ifdef __AVX512F__
     if (q == QUAD)
@@ -60,7 +56,7 @@ static inline void quad(int64_t R, int64_t K, const float *x, const float *wt, i
                          e1 = _mm512_loadu_ps(w1 + o + 16), e2 = _mm512_loadu_ps(w2 + o + 16),
                          e3 = _mm512_loadu_ps(w3 + o + 16);
             for (int64_t r = 0; r < R; ++r) {
-                const float *xr = x + r * K + k0;
+                const float *xr = x + r * ldx + k0;
                 float *yr = y + r * ldy + o;
                 __m512 a = _mm512_loadu_ps(yr), c = _mm512_loadu_ps(yr + 16), u = _mm512_set1_ps(xr[0]);
                 a = _mm512_fmadd_ps(u, v0, a), c = _mm512_fmadd_ps(u, e0, c), u = _mm512_set1_ps(xr[1]);
@@ -74,10 +70,11 @@ static inline void quad(int64_t R, int64_t K, const float *x, const float *wt, i
     if (q == QUAD)
         for (; o + 16 <= o1; o += 16) { /* 16 columns: each input broadcast once for two vectors */
             const __m256 v0 = _mm256_loadu_ps(w0 + o), v1 = _mm256_loadu_ps(w1 + o), v2 = _mm256_loadu_ps(w2 + o),
-                         v3 = _mm256_loadu_ps(w3 + o), e0 = _mm256_loadu_ps(w0 + o + 8), e1 = _mm256_loadu_ps(w1 + o + 8),
-                         e2 = _mm256_loadu_ps(w2 + o + 8), e3 = _mm256_loadu_ps(w3 + o + 8);
+                         v3 = _mm256_loadu_ps(w3 + o), e0 = _mm256_loadu_ps(w0 + o + 8),
+                         e1 = _mm256_loadu_ps(w1 + o + 8), e2 = _mm256_loadu_ps(w2 + o + 8),
+                         e3 = _mm256_loadu_ps(w3 + o + 8);
             for (int64_t r = 0; r < R; ++r) {
-                const float *xr = x + r * K + k0;
+                const float *xr = x + r * ldx + k0;
                 float *yr = y + r * ldy + o;
                 __m256 a = _mm256_loadu_ps(yr), c = _mm256_loadu_ps(yr + 8), u = _mm256_broadcast_ss(xr);
                 a = _mm256_fmadd_ps(u, v0, a), c = _mm256_fmadd_ps(u, e0, c), u = _mm256_broadcast_ss(xr + 1);
@@ -92,7 +89,7 @@ static inline void quad(int64_t R, int64_t K, const float *x, const float *wt, i
         const __m256 v1 = q > 1 ? _mm256_loadu_ps(w1 + o) : v0, v2 = q > 2 ? _mm256_loadu_ps(w2 + o) : v0;
         const __m256 v3 = q > 3 ? _mm256_loadu_ps(w3 + o) : v0;
         for (int64_t r = 0; r < R; ++r) {
-            const float *xr = x + r * K + k0;
+            const float *xr = x + r * ldx + k0;
             float *yr = y + r * ldy + o;
             __m256 a = _mm256_fmadd_ps(_mm256_broadcast_ss(xr), v0, _mm256_loadu_ps(yr));
             if (q > 1) a = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + 1), v1, a);
@@ -103,11 +100,39 @@ static inline void quad(int64_t R, int64_t K, const float *x, const float *wt, i
     }
 }
 
-/* Columns o0 ≤ o < o1 (a multiple of 8 apart) of every row, all of K, in blocks of columns whose
- * outputs for all R rows stay in L1 (BLOCK floats in all) while the rows of Wᵀ stream past.
- * (Holding four rows' outputs in registers over strips of Wᵀ, or packing panels of Wᵀ, measured
- * no faster here: a step of 16 rows stays near 45 ms on two cores either way.) */
-static void vector_columns(int64_t R, int64_t K, const float *x, const float *wt, int64_t ldw, const float *b,
+/* One row (a token step of one sequence), columns o0 ≤ o < o1 (a multiple of 8 apart), advanced
+ * by the k-rows 0 ≤ k < K of Wᵀ: ROWS1 rows stream past per pass over y (y is read and written
+ * K/ROWS1 times, not K/4), each output's multiply-adds in the order of k as in quad(). */
+static void one_row(int64_t K, const float *x, const float *wt, int64_t ldw, int64_t o0, int64_t o1, float *y) {
+    int64_t k = 0;
+    for (; k + ROWS1 <= K; k += ROWS1) {
+        const float *w = wt + k * ldw;
+        int64_t o = o0;
+#ifdef __AVX512F__
+        __m512 u[ROWS1];
+        for (int j = 0; j < ROWS1; ++j) u[j] = _mm512_set1_ps(x[k + j]);
+        for (; o + 16 <= o1; o += 16) {
+            __m512 a = _mm512_loadu_ps(y + o);
+            for (int j = 0; j < ROWS1; ++j) a = _mm512_fmadd_ps(u[j], _mm512_loadu_ps(w + j * ldw + o), a);
+            _mm512_storeu_ps(y + o, a);
+        }
+#endif
+        __m256 v[ROWS1];
+        for (int j = 0; j < ROWS1; ++j) v[j] = _mm256_broadcast_ss(x + k + j);
+        for (; o < o1; o += 8) {
+            __m256 a = _mm256_loadu_ps(y + o);
+            for (int j = 0; j < ROWS1; ++j) a = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(w + j * ldw + o), a);
+            _mm256_storeu_ps(y + o, a);
+        }
+    }
+    for (; k < K; k += QUAD) quad(1, K, x, wt, ldw, k, K - k < QUAD ? (int)(K - k) : QUAD, o0, o1, y, 0);
+}
+
+/* A partial sum from zero, y[r, o] = Σ_{k < K} x[r, k] · Wᵀ[k, o], for columns o0 ≤ o < o1 (a
+ * multiple of 8 apart), in blocks of columns whose outputs for all R rows stay in L1 (BLOCK
+ * floats in all) while the rows of Wᵀ stream past. (Holding four rows' outputs in registers
+ * over strips of Wᵀ, or packing panels of Wᵀ, measured no faster for 16 rows.) */
+static void vector_columns(int64_t R, int64_t K, int64_t ldx, const float *x, const float *wt, int64_t ldw,
                            int64_t o0, int64_t o1, float *y, int64_t ldy) {
     int64_t width = BLOCK / R / 16 * 16;
     width = width < 64 ? 64 : width;
@@ -115,21 +140,21 @@ static void vector_columns(int64_t R, int64_t K, const float *x, const float *wt
         const int64_t c1 = c0 + width < o1 ? c0 + width : o1;
         for (int64_t r = 0; r < R; ++r)
             for (int64_t o = c0; o < c1; o += 8) _mm256_storeu_ps(y + r * ldy + o, _mm256_setzero_ps());
-        for (int64_t k = 0; k < K; k += QUAD) quad(R, K, x, wt, ldw, k, K - k < QUAD ? (int)(K - k) : QUAD, c0, c1, y, ldy);
-        if (b)
-            for (int64_t r = 0; r < R; ++r)
-                for (int64_t o = c0; o < c1; o += 8)
-                    _mm256_storeu_ps(y + r * ldy + o, _mm256_add_ps(_mm256_loadu_ps(y + r * ldy + o), _mm256_loadu_ps(b + o)));
+        if (R == 1)
+            one_row(K, x, wt, ldw, c0, c1, y);
+        else
+            for (int64_t k = 0; k < K; k += QUAD)
+                quad(R, ldx, x, wt, ldw, k, K - k < QUAD ? (int)(K - k) : QUAD, c0, c1, y, ldy);
     }
 }
 #endif
 
-/* Columns o0 ≤ o < o1 of every row, in the defining order (the remainder of the strips, and the
- * whole product without AVX2). */
-static void columns(int64_t R, int64_t K, const float *x, const float *wt, int64_t ldw, const float *b,
+/* The same partial sum in plain loops, for columns o0 ≤ o < o1 (the remainder of the vectors,
+ * and the whole product without AVX2). */
+static void columns(int64_t R, int64_t K, int64_t ldx, const float *x, const float *wt, int64_t ldw,
                     int64_t o0, int64_t o1, float *y, int64_t ldy) {
     for (int64_t r = 0; r < R; ++r) {
-        const float *xr = x + r * K;
+        const float *xr = x + r * ldx;
         float *yr = y + r * ldy;
         for (int64_t o = o0; o < o1; ++o) yr[o] = 0.f;
         for (int64_t k = 0; k < K; ++k) {
@@ -141,29 +166,56 @@ static void columns(int64_t R, int64_t K, const float *x, const float *wt, int64
             for (int64_t o = o0; o < o1; ++o) yr[o] += u * w[o];
 #endif
         }
-        if (b)
-            for (int64_t o = o0; o < o1; ++o) yr[o] += b[o];
     }
 }
 
-/* y [R, N] = x [R, K] Wᵀ + b, W given as Wᵀ [K, ldw] (ldw ≥ N), b [N] or NULL. */
-void hybridlm_affine(const float *x, int64_t R, int64_t K, const float *wt, int64_t ldw, const float *b, int64_t N,
-                     float *y) {
+/* The partial sum over the k-rows k0 ≤ k < k1, columns o0 ≤ o < o1, into y [R, ldy]. */
+static void partial(int64_t R, int64_t K, const float *x, const float *wt, int64_t ldw, int64_t k0, int64_t k1,
+                    int64_t o0, int64_t o1, float *y, int64_t ldy) {
+    x += k0, wt += k0 * ldw;
 #ifdef HYBRIDLM_AVX2
-    const int64_t vec = N / 8 * 8; /* columns in whole vectors; the rest in plain loops */
+    const int64_t vec = o0 + (o1 - o0) / 8 * 8; /* columns in whole vectors; the rest in plain loops */
+    if (o0 < vec) vector_columns(R, k1 - k0, K, x, wt, ldw, o0, vec, y, ldy);
+    if (vec < o1) columns(R, k1 - k0, K, x, wt, ldw, vec, o1, y, ldy);
+#else
+    columns(R, k1 - k0, K, x, wt, ldw, o0, o1, y, ldy);
+#endif
+}
+
+/* S₁ of the current call: kept per calling thread, grown as needed (a step's few rows). */
+static _Thread_local float *second;
+static _Thread_local int64_t second_size;
+
+/* y [R, N] = x [R, K] Wᵀ + b, W given as Wᵀ [K, ldw] (ldw ≥ N), b [N] or NULL. Returns 0, or −1
+ * when the scratch for S₁ could not be allocated (y is then not written). */
+int hybridlm_affine(const float *x, int64_t R, int64_t K, const float *wt, int64_t ldw, const float *b, int64_t N,
+                    float *y) {
+    if (R * N > second_size) {
+        float *grown = realloc(second, (size_t)(R * N) * sizeof(float));
+        if (!grown) return -1;
+        second = grown, second_size = R * N;
+    }
+    float *s1 = second;
+    const int64_t h = half(K);
 #ifdef _OPENMP
     const int team = R * K * N > 65536 ? omp_get_max_threads() : 1;
 #else
     const int team = 1;
 #endif
-    const int64_t per = (vec / 8 + team - 1) / team * 8; /* each thread its own contiguous columns */
+    const int parts = team > 1 ? team / 2 : 1;              /* column parts of each half */
+    const int64_t per = ((N + 7) / 8 + parts - 1) / parts * 8; /* contiguous, whole vectors */
 #pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
-    for (int part = 0; part < team; ++part) {
-        const int64_t o0 = part * per, o1 = o0 + per < vec ? o0 + per : vec;
-        if (o0 < o1) vector_columns(R, K, x, wt, ldw, b, o0, o1, y, N);
+    for (int unit = 0; unit < 2 * parts; ++unit) {
+        const int64_t o0 = (unit / 2) * per, o1 = o0 + per < N ? o0 + per : N;
+        if (o0 < o1) {
+            if (unit % 2 == 0) partial(R, K, x, wt, ldw, 0, h, o0, o1, y, N);
+            else partial(R, K, x, wt, ldw, h, K, o0, o1, s1, N);
+        }
     }
-    if (vec < N) columns(R, K, x, wt, ldw, b, vec, N, y, N);
-#else
-    columns(R, K, x, wt, ldw, b, 0, N, y, N);
-#endif
+    for (int64_t r = 0; r < R; ++r) /* y = (S₀ + S₁) + b, the same two roundings for every output */
+        for (int64_t o = 0; o < N; ++o) {
+            float v = y[r * N + o] + s1[r * N + o];
+            y[r * N + o] = b ? v + b[o] : v;
+        }
+    return 0;
 }
