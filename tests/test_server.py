@@ -495,6 +495,8 @@ def test_arcs_parse_against_the_trace_schema_and_render(served, client, tmp_path
     with urllib.request.urlopen(f"{url}/arcs/{arc}/report") as resp:
         html = resp.read().decode()
     assert html.startswith("<!DOCTYPE html>") and "get_weather" in html
+    kept = served[1].arcs.get(arc)  # an ended arc keeps its events, not its rows of the KV state
+    assert kept.done and kept.x is None and kept.continues is None and len(kept.arc.events) == len(events)
 
 
 def test_metrics_count_tokens_batches_and_prefix_reuse(served, client):
