@@ -121,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     from hybridlm import load_model
     from hybridlm.agent import HybridAgent, Limits, registry
     from hybridlm.agent.evaluation import problems
+    from hybridlm.memory import configure
 
+    configure()  # the memory settings of the command line (hybridlm eval agent runs episodes like these)
     model = load_model(args.model, precision=args.precision)
     agent = HybridAgent(model, registry(["calculator"]), limits=Limits(max_token_steps=args.max_new_tokens))
     tasks = problems(min(args.episodes, 200))
@@ -199,6 +201,7 @@ def soak_server(args) -> int:
         task = tasks[i % len(tasks)]
         t0 = time.perf_counter()
         r = post("/chat/completions", {"model": "smollm2-135m", "messages": [{"role": "user", "content": task.question}],
+                                       "tool_choice": "required",  # the first turn calls, as the agent's does
                                        "max_tokens": args.max_new_tokens, "temperature": 0, "seed": i})
         wall = time.perf_counter() - t0
         ext = r["hybridlm"]

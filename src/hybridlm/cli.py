@@ -1056,7 +1056,8 @@ def _visible(steps, tok) -> list[int]:
 def main() -> None:
     from hybridlm.memory import configure
 
-    configure()  # the process is ours: huge pages and warm freed memory (see hybridlm.memory)
+    command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+    configure(long_running=command == "serve")  # the process is ours (see hybridlm.memory)
     cli(prog_name="hybridlm")
 
 

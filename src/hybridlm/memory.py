@@ -48,13 +48,19 @@ def return_freed_memory() -> None:
 configured = False  # whether configure() ran in this process
 
 
-def configure() -> None:
-    """Huge pages for large tensors and freed memory kept warm, for this process (opt-in)."""
+def configure(*, long_running: bool = False) -> None:
+    """Huge pages for large tensors and freed memory kept warm, for this process (opt-in).
+
+    long_running: a process that serves requests for hours (`hybridlm serve`) leaves PyTorch's
+    huge-page allocation off. Its 2 MiB-aligned blocks, for KV states of every size coming and
+    going, fragment glibc's heap: a server's resident size grew 17 MB a request without end.
+    """
     global configured
     # Large tensors (weights, KV states, recorded trajectories) on transparent huge pages:
     # fewer TLB misses while a decode step streams the weights, fewer page faults while a
     # recording allocates. PyTorch reads this at its first large allocation; 0 opts out.
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    if not long_running:
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     if os.environ.get("HYBRIDLM_KEEP_FREED_MEMORY", "1") != "0":
         keep_freed_memory()
     configured = True
