@@ -150,3 +150,15 @@ def test_importing_the_library_leaves_the_process_alone():
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.split() == ["None", "False"]
+
+
+@pytest.mark.parametrize("argv, thp", [(["generate", "--help"], "1"), (["serve", "--help"], "None")])
+def test_the_server_leaves_huge_page_allocation_off(argv, thp):
+    """The CLI's settings, except for `serve`: 2 MiB-aligned tensors of every size fragment a
+    long-running process's heap (the server's resident size grew with every request)."""
+    code = ("import os, sys; from hybridlm import cli; sys.argv = ['hybridlm', *sys.argv[1:]]\n"
+            "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
+            "print(os.environ.get('THP_MEM_ALLOC_ENABLE'), file=sys.stderr)")
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, check=True)
+    assert out.stderr.split()[-1] == thp
