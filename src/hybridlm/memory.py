@@ -22,6 +22,7 @@ import os
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers
 _MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's largest accepted mmap threshold on 64-bit
 _TRIM_NEVER = 2**31 - 1
+_MAP_FROM = 4 * 2**20  # a server's mmap threshold: KV states beyond ~90 positions; a step's logits stay on the heap
 
 
 def keep_freed_memory() -> bool:
@@ -52,15 +53,31 @@ def configure(*, long_running: bool = False) -> None:
     """Huge pages for large tensors and freed memory kept warm, for this process (opt-in).
 
     long_running: a process that serves requests for hours (`hybridlm serve`) leaves PyTorch's
-    huge-page allocation off. Its 2 MiB-aligned blocks, for KV states of every size coming and
-    going, fragment glibc's heap: a server's resident size grew 17 MB a request without end.
+    huge-page allocation off (its 2 MiB-aligned blocks, for KV states of every size coming and
+    going, fragmented glibc's heap: a server's resident size grew 17 MB a request without end)
+    and gives large blocks mappings of their own (`map_large_blocks`).
     """
     global configured
+    if long_running:
+        map_large_blocks()
+        configured = True
+        return
     # Large tensors (weights, KV states, recorded trajectories) on transparent huge pages:
     # fewer TLB misses while a decode step streams the weights, fewer page faults while a
     # recording allocates. PyTorch reads this at its first large allocation; 0 opts out.
-    if not long_running:
-        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     if os.environ.get("HYBRIDLM_KEEP_FREED_MEMORY", "1") != "0":
         keep_freed_memory()
     configured = True
+
+
+def map_large_blocks() -> bool:
+    """Blocks of 4 MiB and more each in a mapping of its own, unmapped when freed (a fixed mmap
+    threshold: glibc no longer raises it to the largest block freed). For a server: its
+    sequences' KV states come and go in every size, and from the heap they left it fragmented
+    at its peak. True when the C library accepted it."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MAP_FROM))
