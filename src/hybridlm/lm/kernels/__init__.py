@@ -369,8 +369,8 @@ def _cpu_flags() -> list[str]:
 
 
 def _avx512_wanted() -> bool:
-    """AVX-512 for the affine kernel's rows of several sequences (the same bits as AVX2, each
-    output's multiply-adds in the same order); HYBRIDLM_AVX512=off leaves it out."""
+    """AVX-512 vectors in the affine kernel (the same bits as AVX2: each output's multiply-adds
+    in the same order); HYBRIDLM_AVX512=off leaves them out."""
     return os.environ.get("HYBRIDLM_AVX512", "on").lower() not in ("0", "off", "no", "false")
 
 
