@@ -255,10 +255,16 @@ def soak_server(args) -> int:
     # varies by ±8 % with them. What is kept is read between waves, with none in flight.
     summary["rss_in_flight_mib"] = [round(min(r["rss_mib"] for r in rows), 1), round(max(r["rss_mib"] for r in rows), 1)]
     summary["rss_quiet_mib"] = [round(q["rss_mib"], 1) for q in quiet]
+    summary["quiet"] = quiet
     if len(quiet) >= 2:
         reference = quiet[0]["rss_mib"]
         summary["rss_drift_after_warmup"] = round(max(abs(q["rss_mib"] - reference) / reference for q in quiet[1:]), 4)
         summary["rss_flat"] = summary["rss_drift_after_warmup"] <= RSS_BAND
+        # a server's thread pool grows and shrinks with its connections: growth is a trend, the
+        # second half's most above the first half's, read with no request in flight
+        half = len(quiet) // 2
+        summary["no_growth"] = all(max(q[k] for q in quiet[half:]) <= max(q[k] for q in quiet[:half])
+                                   for k in ("fds", "threads", "children"))
     summary["total_s"] = round(time.perf_counter() - t_start, 1)
     summary["clients"] = args.clients
     summary["trace_problems"] = problems_seen[:10]
