@@ -12,8 +12,8 @@ Importing hybridlm changes nothing in the host process: the command line and the
 call `configure()` at their start (unless HYBRIDLM_KEEP_FREED_MEMORY=0), and a program that
 embeds hybridlm may call it too. A server is the exception: it runs for hours while states of
 every size come and go, and there keeping the peak means keeping a fragmented heap
-(`configure(long_running=True)`, which `hybridlm serve` calls). It does nothing where the C library has no `mallopt` (not
-glibc).
+(`configure(long_running=True)`, which `hybridlm serve` calls). It does nothing where the C
+library has no `mallopt` (not glibc).
 """
 
 from __future__ import annotations

@@ -233,16 +233,6 @@ def _call_schema(name: str, arguments: dict) -> dict:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def _local_refs(schema) -> bool:
-    """Whether a schema holds a `$ref` into itself ("#...")."""
-    if isinstance(schema, dict):
-        ref = schema.get("$ref")
-        return (isinstance(ref, str) and ref.startswith("#")) or any(_local_refs(v) for v in schema.values())
-    if isinstance(schema, list):
-        return any(_local_refs(v) for v in schema)
-    return False
-
-
 def _rebase_refs(schema, base: str):
     """The schema with every `$ref` into itself ("#/…") pointing at the same place under `base`."""
     if isinstance(schema, dict):
@@ -262,10 +252,10 @@ def _arguments(specs: dict, max_string: int | None) -> tuple[dict, dict]:
     rebased, since inside the turn's schema "#" is the root (an MCP server's nested models)."""
     arguments, defs = {}, {}
     for i, (name, params) in enumerate(specs.items()):
-        schema = tool_schema(params, max_string)
-        if _local_refs(schema):
-            key = f"tool{i}"
-            defs[key] = _rebase_refs(schema, f"#/$defs/{key}")
+        schema, key = tool_schema(params, max_string), f"tool{i}"
+        rebased = _rebase_refs(schema, f"#/$defs/{key}")
+        if rebased != schema:  # it refers into itself
+            defs[key] = rebased
             arguments[name] = {"$ref": f"#/$defs/{key}"}
         else:
             arguments[name] = schema

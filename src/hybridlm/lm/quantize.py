@@ -225,13 +225,7 @@ def quantized_model(cfg, weights, precision: str):
     kind = Int8Linear if precision == "int8" else Int4Linear
     with torch.device("meta"):
         model = DecoderLM(cfg)
-    for owner_name, owner in list(model.named_modules()):
-        for name, child in list(owner.named_children()):
-            if isinstance(child, Linear):
-                full = f"{owner_name}.{name}" if owner_name else name
-                bias = weights[f"{full}.bias"] if child.bias is not None else None
-                setattr(owner, name, kind(weights[f"{full}.weight"], bias))
-                return_freed_memory()  # each matrix's float32 copy and temporaries, gone
+    _quantize_linears(model, kind, weights)
     for full, param in list(model.named_parameters()):
         if param.is_meta:
             owner_name, _, name = full.rpartition(".")
@@ -259,12 +253,18 @@ def _rows_contiguous(model) -> None:
                 setattr(model, name, nn.Parameter(p.contiguous(), requires_grad=p.requires_grad))
 
 
-def _quantize_linears(module: nn.Module, kind) -> None:
-    for name, child in module.named_children():
-        if isinstance(child, Linear):
+def _quantize_linears(module: nn.Module, kind, weights=None, prefix: str = "") -> None:
+    """Every `Linear` below `module` replaced by `kind`, from its own weight and bias or, given
+    `weights` (a state dict of the model, read when asked), from theirs by name."""
+    for name, child in list(module.named_children()):
+        if not isinstance(child, Linear):
+            _quantize_linears(child, kind, weights, f"{prefix}{name}.")
+        elif weights is None:
             setattr(module, name, kind(child.weight, child.bias))
         else:
-            _quantize_linears(child, kind)
+            bias = weights[f"{prefix}{name}.bias"] if child.bias is not None else None
+            setattr(module, name, kind(weights[f"{prefix}{name}.weight"], bias))
+            return_freed_memory()  # each matrix's float32 copy and temporaries, gone
 
 
 @torch.no_grad()

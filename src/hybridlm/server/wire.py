@@ -200,10 +200,6 @@ def parse_chat(raw) -> ChatBody:
         names = [t.function.name for t in body.tools]
         if len(set(names)) != len(names):
             raise invalid(f"tool names must be unique, got {names}", param="tools")
-    choice = body.tool_choice  # (checked against the server's own tools, too, when the request brings none)
-    if body.tools and isinstance(choice, NamedToolChoice) and choice.function.name not in [
-            t.function.name for t in body.tools]:
-        raise invalid(f"tool_choice names {choice.function.name!r}, which is not in tools", param="tool_choice")
     rf = body.response_format
     if rf is not None and rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
         raise invalid("response_format of type json_schema needs json_schema.schema", param="response_format")
