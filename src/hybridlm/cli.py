@@ -795,7 +795,8 @@ def eval_agent(model_spec, n, modes, out, shard_size, precision, use_ray, ray_ad
 @click.option("--out", type=click.Path(dir_okay=False), default="bfcl.jsonl", show_default=True,
               help="Results, one JSON line per task (appended as it goes).")
 @click.option("--resume", is_flag=True, help="Continue --out: skip the tasks it already holds.")
-def eval_bfcl(model_spec, categories, systems, limit, out, resume):
+@_precision_option("auto")
+def eval_bfcl(model_spec, categories, systems, limit, out, resume, precision):
     """Berkeley Function Calling Leaderboard: BFCL's own data and AST checker (needs bfcl-eval)."""
     from pathlib import Path
 
@@ -823,7 +824,7 @@ def eval_bfcl(model_spec, categories, systems, limit, out, resume):
             if model is None:
                 from hybridlm.weights.loading import load_model
 
-                model = load_model(model_spec)
+                model = load_model(model_spec, precision=precision)
             runner = bfcl.HybridRunner(model, constrained=kind == "constrained")
         bfcl.evaluate(runner, chosen, limit=limit, out=out, resume=True,
                       progress=lambda n, name=runner.name: tqdm(total=n, desc=name, unit="task", file=sys.stderr))

@@ -168,6 +168,7 @@ class HybridRunner:
     def __init__(self, model, *, constrained: bool = True, max_token_steps: int = 256) -> None:
         self.model, self.constrained, self.max_token_steps = model, constrained, max_token_steps
         self.name = "hybridlm-" + ("constrained" if constrained else "free")
+        self.precision = getattr(model, "precision", None)
 
     def __call__(self, task: Task) -> list[dict]:
         from hybridlm.agent.automaton import HybridAgent, Limits
@@ -275,6 +276,8 @@ def evaluate(runner, categories, *, limit: int | None = None, out: str | Path, r
             row = {"system": runner.name, "category": task.category, "id": task.id, "valid": verdict["valid"],
                    "error_type": verdict["error_type"], "error": [str(e)[:300] for e in verdict["error"]],
                    "calls": calls, "seconds": round(time.perf_counter() - start, 3)}
+            if getattr(runner, "precision", None):
+                row["precision"] = runner.precision
             fh.write(json.dumps(row, default=str) + "\n")
             fh.flush()
             done[task.id] = row
