@@ -40,14 +40,30 @@ def test_a_ragged_batch_step_is_each_state_stepped_alone(toy_model):
 
 
 def test_a_fork_is_each_candidate_stepped_alone(smollm2):
+    """A fork's k successors have, bit for bit, the rows and logits one decode step F(x, w) gives
+    each candidate alone (so adopting one is F), and match the prefill of s ∘ w within rounding."""
+    from hybridlm.lm import kernels
+
     ids = smollm2.tokenizer.encode("The state of a hybrid system is")
     x = smollm2.init_state(ids)
+    smollm2.F(x, [int(x.logits.argmax())])  # a row written by a decode step too
+    context = x.tokens[0].tolist()
     cand = torch.topk(x.logits[0], 6).indices
-    h = smollm2(cand[:, None], ForkedState(x, 6), logits=False)[:, -1]
-    assert x.n == len(ids)  # the parent is untouched
+    fork = ForkedState(x, 6)
+    h = smollm2(cand[:, None], fork, logits=False)[:, -1]
+    assert x.n == len(context)  # the parent is untouched
     for i, w in enumerate(cand.tolist()):
-        ref = smollm2(torch.tensor([ids + [w]]), logits=False)[0, -1]
+        ref = smollm2(torch.tensor([context + [w]]), logits=False)[0, -1]
         assert torch.allclose(h[i], ref, rtol=1e-4, atol=1e-3)
+        if kernels.decode_attention() is None:
+            continue  # (PyTorch's fork attention sums in another order than its decode step)
+        alone = smollm2.init_state(ids)
+        smollm2.F(alone, [context[-1]])
+        smollm2.F(alone, [w])
+        assert torch.equal(smollm2.readout(h[i : i + 1][:, None])[:, -1], alone.logits)
+        for layer, (k, v) in fork.rows.items():
+            K, V = alone.layer_buffers(layer)
+            assert torch.equal(K[0, :, len(context)], k[i]) and torch.equal(V[0, :, len(context)], v[i])
 
 
 # ---------------------------------------------------------------------- one meaning of a seed

@@ -141,6 +141,10 @@ class Attention(DirectModule):
         0..n−1 (shared, one product for all k) and its own key n; S and A are formed explicitly,
         [k, H, 1, n + 1], so every hook point sees them as in any decode step."""
         k_rows, H, H_kv, d = heads.shape[0], self.n_head, self.n_kv_head, self.d_head
+        if not self._watched() and heads.dtype == torch.float32 and heads.is_cpu:
+            o = self._fork_step(heads, fork, rotary)
+            if o is not None:
+                return o
         q, k, v = heads[:, :, :H], heads[:, :, H : H + H_kv], heads[:, :, H + H_kv :]
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         if rotary is not None:
@@ -163,6 +167,24 @@ class Attention(DirectModule):
         a = A[..., first:].reshape(k_rows, H_kv, g, -1)
         o = torch.einsum("bjgt,jtd->bjgd", a[..., :-1], V) + a[..., -1:] * v[:, 0, :, None, :]
         return self.hook_z(o.reshape(k_rows, 1, H, d))
+
+    def _fork_step(self, heads, fork: ForkedState, rotary):
+        """The fork in one compiled call: each candidate's rows and output with the bits the
+        one-sequence decode step gives its successor state (None where the kernel cannot run)."""
+        step = kernels.decode_attention()
+        K, V = fork.parent.layer_buffers(self.layer)
+        if step is None or K.dtype != torch.float32 or not (K.is_cpu and K.is_contiguous() and V.is_contiguous()):
+            return None
+        cos = sin = None
+        if rotary is not None:
+            cos, sin = rotary.cos, rotary.sin
+            if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
+                return None
+        n = fork.n
+        start = n + 1 - self.window if self.window is not None and n + 1 > self.window else 0
+        o, k, v = step.fork(heads.contiguous(), K, V, n, start, cos, sin, self.scale, self.n_kv_head)
+        fork.write(self.layer, k, v)
+        return o
 
     def _batch_step(self, heads, batch: StateBatch, rotary):
         step, meta = kernels.decode_attention(), batch.meta()

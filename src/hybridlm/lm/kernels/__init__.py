@@ -159,6 +159,8 @@ class DecodeAttention:
                                  [p, p, p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, f32, p], ctypes.c_int)
         self._batch = _function(lib.hybridlm_decode_attention_batch,
                                 [p, i64, i64, i64, i64, p, p, p, i64, i64, p, p, f32, p], ctypes.c_int)
+        self._fork = _function(lib.hybridlm_fork_attention,
+                               [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, f32, p, p, p], ctypes.c_int)
         self._pattern = _function(lib.hybridlm_attention_pattern, [p, i64, i64, i64, p])
         self._output = _function(lib.hybridlm_attention_output, [p, i64, i64, i64, i64, p, i64, i64, i64, p])
 
@@ -187,6 +189,20 @@ class DecodeAttention:
                        scale, out.data_ptr()):
             raise MemoryError("decode attention: no memory for the scores of a batch")
         return out
+
+    def fork(self, heads: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n: int, start: int,
+             cos: torch.Tensor | None, sin: torch.Tensor | None, scale: float,
+             n_kv_head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """B candidates continuing one state at position n (a fork): heads [B, 1, H + 2·H_kv, d]
+        against the parent's keys start..n − 1 of K and V ([1, H_kv, cap, d], only read) and each
+        its own row n → (O [B, 1, H, d], the rotated k [B, H_kv, d], v [B, H_kv, d])."""
+        B, _, width, d = heads.shape
+        H = width - 2 * n_kv_head
+        out, k, v = heads.new_empty(B, 1, H, d), heads.new_empty(B, n_kv_head, d), heads.new_empty(B, n_kv_head, d)
+        if self._fork(heads.data_ptr(), B, H, n_kv_head, d, K.data_ptr(), V.data_ptr(), K.shape[2], n, start,
+                      *_rotary_rows(cos, sin, n, d), scale, k.data_ptr(), v.data_ptr(), out.data_ptr()):
+            raise MemoryError(f"fork attention: no memory for the scores over {n + 1 - start} keys")
+        return out, k, v
 
     def scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n: int,
                start: int, cos: torch.Tensor | None, sin: torch.Tensor | None, scale: float) -> torch.Tensor:

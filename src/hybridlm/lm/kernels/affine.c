@@ -18,10 +18,11 @@
  * More threads split each half's columns as well.
  *
  * The AVX2 path streams the rows of Wᵀ past a block of outputs held in cache, several rows at a
- * time (the multiply-adds of an output still in the order of k), once for all rows of x; with
- * AVX-512, 16 or 32 columns at a time (the same bits). Without AVX2 and FMA the same sums run as
- * plain loops (separate multiply and add: -ffp-contract=off), a different but equally
- * batch-invariant rounding.
+ * time (the multiply-adds of an output still in the order of k), once for all rows of x. With
+ * AVX-512, one row takes 16 columns at a time, and several rows keep 32 columns of up to 8 rows'
+ * outputs in registers while 16 rows of Wᵀ go past (the same bits). Without AVX2 and FMA the
+ * same sums run as plain loops (separate multiply and add: -ffp-contract=off), a different but
+ * equally batch-invariant rounding.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -128,23 +129,92 @@ static void one_row(int64_t K, const float *x, const float *wt, int64_t ldw, int
     for (; k < K; k += QUAD) quad(1, K, x, wt, ldw, k, K - k < QUAD ? (int)(K - k) : QUAD, o0, o1, y, 0);
 }
 
+/* The strip kernel in the build's widest vectors: 16 floats and 8 rows in AVX-512's 32
+ * registers, 8 floats and 4 rows in AVX2's 16. */
+#ifdef __AVX512F__
+typedef __m512 vec;
+#define VEC 16
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vbroadcast _mm512_set1_ps
+#define vfma _mm512_fmadd_ps
+enum { GROUP = 8 };
+#else
+typedef __m256 vec;
+#define VEC 8
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vbroadcast _mm256_set1_ps
+#define vfma _mm256_fmadd_ps
+enum { GROUP = 4 };
+#endif
+enum { STRIP = 16, PANEL = 2 * VEC };
+
+/* nr ≤ GROUP rows of y, PANEL columns, advanced by the STRIP k-rows of Wᵀ at w: the outputs
+ * stay in registers across the strip (each output's multiply-adds still one per k, in the order
+ * of k), so y is read and written once per STRIP rows of Wᵀ, and each loaded piece of Wᵀ serves
+ * nr rows of x. nr is a constant at every call (the arrays become registers). */
+static inline __attribute__((always_inline)) void strip(int nr, const float *x, int64_t ldx, const float *w,
+                                                        int64_t ldw, float *y, int64_t ldy) {
+    vec a[GROUP], c[GROUP];
+    for (int r = 0; r < nr; ++r) a[r] = vload(y + r * ldy), c[r] = vload(y + r * ldy + VEC);
+    for (int j = 0; j < STRIP; ++j) {
+        const vec v = vload(w + j * ldw), e = vload(w + j * ldw + VEC);
+        for (int r = 0; r < nr; ++r) {
+            const vec u = vbroadcast(x[r * ldx + j]);
+            a[r] = vfma(u, v, a[r]), c[r] = vfma(u, e, c[r]);
+        }
+    }
+    for (int r = 0; r < nr; ++r) vstore(y + r * ldy, a[r]), vstore(y + r * ldy + VEC, c[r]);
+}
+
+/* Rows of x in groups of GROUP, then 4, 2, 1, through strip (the same bits whatever the grouping). */
+static void panel(int64_t R, const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy) {
+    int64_t r = 0;
+    for (; r + GROUP <= R; r += GROUP) strip(GROUP, x + r * ldx, ldx, w, ldw, y + r * ldy, ldy);
+    if (GROUP > 4 && r + 4 <= R) strip(4, x + r * ldx, ldx, w, ldw, y + r * ldy, ldy), r += 4;
+    if (r + 2 <= R) strip(2, x + r * ldx, ldx, w, ldw, y + r * ldy, ldy), r += 2;
+    if (r < R) strip(1, x + r * ldx, ldx, w, ldw, y + r * ldy, ldy);
+}
+
+/* Several rows (a batch's token step, a barrier's fork), columns o0 ≤ o < o1: STRIP rows of Wᵀ
+ * at a time past PANEL columns of every row's outputs held in registers, along whole rows of
+ * Wᵀ; the columns left over, and the k-rows after the last whole strip, go through quad() (the
+ * order of k unchanged). The next strip is fetched while this one is multiplied: read a panel
+ * at a time, the rows of Wᵀ arrive too late for the CPU's own prefetcher. */
+static void many_rows(int64_t R, int64_t K, int64_t ldx, const float *x, const float *wt, int64_t ldw, int64_t o0,
+                      int64_t o1, float *y, int64_t ldy) {
+    int64_t k = 0;
+    for (; k + STRIP <= K; k += STRIP) {
+        int64_t o = o0;
+        for (; o + PANEL <= o1; o += PANEL) {
+            if (k + 2 * STRIP <= K)
+                for (int j = 0; j < STRIP; ++j)
+                    for (int line = 0; line < PANEL; line += 16)
+                        _mm_prefetch((const char *)(wt + (k + STRIP + j) * ldw + o + line), _MM_HINT_T0);
+            panel(R, x + k, ldx, wt + k * ldw + o, ldw, y + o, ldy);
+        }
+        if (o < o1)
+            for (int64_t q = k; q < k + STRIP; q += QUAD) quad(R, ldx, x, wt, ldw, q, QUAD, o, o1, y, ldy);
+    }
+    for (; k < K; k += QUAD) quad(R, ldx, x, wt, ldw, k, K - k < QUAD ? (int)(K - k) : QUAD, o0, o1, y, ldy);
+}
+
 /* A partial sum from zero, y[r, o] = Σ_{k < K} x[r, k] · Wᵀ[k, o], for columns o0 ≤ o < o1 (a
- * multiple of 8 apart), in blocks of columns whose outputs for all R rows stay in L1 (BLOCK
- * floats in all) while the rows of Wᵀ stream past. (Holding four rows' outputs in registers
- * over strips of Wᵀ, or packing panels of Wᵀ, measured no faster for 16 rows.) */
+ * multiple of 8 apart): one row in blocks of columns whose outputs stay in L1 while the rows of
+ * Wᵀ stream past; several rows through many_rows, all the columns at once. */
 static void vector_columns(int64_t R, int64_t K, int64_t ldx, const float *x, const float *wt, int64_t ldw,
                            int64_t o0, int64_t o1, float *y, int64_t ldy) {
-    int64_t width = BLOCK / R / 16 * 16;
-    width = width < 64 ? 64 : width;
-    for (int64_t c0 = o0; c0 < o1; c0 += width) {
-        const int64_t c1 = c0 + width < o1 ? c0 + width : o1;
+    if (R > 1) {
         for (int64_t r = 0; r < R; ++r)
-            for (int64_t o = c0; o < c1; o += 8) _mm256_storeu_ps(y + r * ldy + o, _mm256_setzero_ps());
-        if (R == 1)
-            one_row(K, x, wt, ldw, c0, c1, y);
-        else
-            for (int64_t k = 0; k < K; k += QUAD)
-                quad(R, ldx, x, wt, ldw, k, K - k < QUAD ? (int)(K - k) : QUAD, c0, c1, y, ldy);
+            for (int64_t o = o0; o < o1; o += 8) _mm256_storeu_ps(y + r * ldy + o, _mm256_setzero_ps());
+        many_rows(R, K, ldx, x, wt, ldw, o0, o1, y, ldy);
+        return;
+    }
+    for (int64_t c0 = o0; c0 < o1; c0 += BLOCK) {
+        const int64_t c1 = c0 + BLOCK < o1 ? c0 + BLOCK : o1;
+        for (int64_t o = c0; o < c1; o += 8) _mm256_storeu_ps(y + o, _mm256_setzero_ps());
+        one_row(K, x, wt, ldw, c0, c1, y);
     }
 }
 #endif

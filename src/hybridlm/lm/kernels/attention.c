@@ -114,8 +114,10 @@ static void softmax(float *s, int64_t c) {
     for (t = 0; t < c; ++t) s[t] *= inv;
 }
 
-/* out = Σ_t a_t V_t over the c rows from V, 64 (else 8) coordinates at a time in registers. */
-static void weighted_sum(const float *a, const float *V, int64_t d, int64_t c, float *out) {
+/* out = Σ_t a_t V_t over c rows, in the order of t, 64 (else 8) coordinates at a time in
+ * registers: rows t < c − 1 from V, the last one from `last` (V + (c − 1)·d where the rows are
+ * one block; a fork's own row stands apart from the state it continues). */
+static void weighted_sum(const float *a, const float *V, const float *last, int64_t d, int64_t c, float *out) {
     int64_t i = 0;
 #ifdef HYBRIDLM_AVX2
     for (; i + 64 <= d; i += 64) {
@@ -123,20 +125,21 @@ static void weighted_sum(const float *a, const float *V, int64_t d, int64_t c, f
         for (int u = 0; u < 8; ++u) o[u] = _mm256_setzero_ps();
         for (int64_t t = 0; t < c; ++t) {
             const __m256 w = _mm256_set1_ps(a[t]);
-            const float *v = V + t * d + i;
+            const float *v = (t < c - 1 ? V + t * d : last) + i;
             for (int u = 0; u < 8; ++u) o[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * u), o[u]);
         }
         for (int u = 0; u < 8; ++u) _mm256_storeu_ps(out + i + 8 * u, o[u]);
     }
     for (; i + 8 <= d; i += 8) {
         __m256 o = _mm256_setzero_ps();
-        for (int64_t t = 0; t < c; ++t) o = _mm256_fmadd_ps(_mm256_set1_ps(a[t]), _mm256_loadu_ps(V + t * d + i), o);
+        for (int64_t t = 0; t < c; ++t)
+            o = _mm256_fmadd_ps(_mm256_set1_ps(a[t]), _mm256_loadu_ps((t < c - 1 ? V + t * d : last) + i), o);
         _mm256_storeu_ps(out + i, o);
     }
 #endif
     for (; i < d; ++i) {
         float o = 0.f;
-        for (int64_t t = 0; t < c; ++t) o += a[t] * V[t * d + i];
+        for (int64_t t = 0; t < c; ++t) o += a[t] * (t < c - 1 ? V + t * d : last)[i];
         out[i] = o;
     }
 }
@@ -188,7 +191,7 @@ int hybridlm_decode_attention(const float *heads, int64_t B, int64_t H, int64_t 
         const float *Kb = K + ((b * Hkv + j) * cap + start) * d, *Vb = V + ((b * Hkv + j) * cap + start) * d;
         scores(q, Kb, d, c, scale, scratch);
         softmax(scratch, c);
-        weighted_sum(scratch, Vb, d, c, out + (b * H + h) * d);
+        weighted_sum(scratch, Vb, Vb + (c - 1) * d, d, c, out + (b * H + h) * d);
         free(scratch);
     }
     return failed ? -1 : 0;
@@ -240,7 +243,8 @@ void hybridlm_attention_output(const float *A, int64_t B, int64_t H, int64_t Hkv
 #pragma omp parallel for schedule(static) if (B * H * c * d > PARALLEL_WORK)
     for (int64_t task = 0; task < B * H; ++task) {
         const int64_t b = task / H, h = task % H, j = h / group;
-        weighted_sum(A + task * (n + 1) + start, V + ((b * Hkv + j) * cap + start) * d, d, c, O + task * d);
+        const float *Vb = V + ((b * Hkv + j) * cap + start) * d;
+        weighted_sum(A + task * (n + 1) + start, Vb, Vb + (c - 1) * d, d, c, O + task * d);
     }
 }
 
@@ -279,7 +283,41 @@ int hybridlm_decode_attention_batch(const float *heads, int64_t B, int64_t H, in
         const float *Kb = K + (j * cap[b] + start) * d, *Vb = K + Hkv * cap[b] * d + (j * cap[b] + start) * d;
         scores(q, Kb, d, c, scale, scratch);
         softmax(scratch, c);
-        weighted_sum(scratch, Vb, d, c, out + (b * H + h) * d);
+        weighted_sum(scratch, Vb, Vb + (c - 1) * d, d, c, out + (b * H + h) * d);
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
+/* A fork of one state (a hidden-state barrier's candidates): B one-token continuations at
+ * position n, row b of heads the query, key and value of candidate b. Each reads the parent's
+ * keys and values start..n − 1 from K and V ([1, H_kv, cap, d] of one layer: shared, not copied)
+ * and its own row n, which is written to own_k and own_v [B, H_kv, d] (rotated) instead of the
+ * state. Each (b, h) takes the same operations in the same order as the one-sequence step on
+ * the state s ∘ w_b, so a candidate's output and rows have the bits that step gives them.
+ * Returns 0, or −1 without scratch memory. */
+int hybridlm_fork_attention(const float *heads, int64_t B, int64_t H, int64_t Hkv, int64_t d, const float *K,
+                            const float *V, int64_t cap, int64_t n, int64_t start, const float *cos, const float *sin,
+                            float scale, float *own_k, float *own_v, float *out) {
+    const int64_t group = H / Hkv, width = (H + 2 * Hkv) * d, c = n + 1 - start;
+    write_rows(heads + H * d, heads + (H + Hkv) * d, width, B, Hkv, d, own_k, own_v, 1, 0, cos, sin);
+    int failed = 0;
+#pragma omp parallel for schedule(static) if (B * H * c * d > PARALLEL_WORK) reduction(| : failed)
+    for (int64_t task = 0; task < B * H; ++task) {
+        const int64_t b = task / H, h = task % H, j = h / group;
+        float *scratch = malloc(sizeof(float) * (size_t)(c + d));
+        if (!scratch) {
+            failed = 1;
+            continue;
+        }
+        float *q = scratch + c;
+        query(heads + b * width + h * d, cos, sin, d, q);
+        const float *Kj = K + (j * cap + start) * d, *Vj = V + (j * cap + start) * d;
+        const float *k = own_k + (b * Hkv + j) * d, *v = own_v + (b * Hkv + j) * d;
+        scores(q, Kj, d, c - 1, scale, scratch);
+        scratch[c - 1] = dot(q, k, d) * scale;
+        softmax(scratch, c);
+        weighted_sum(scratch, Vj, v, d, c, out + (b * H + h) * d);
         free(scratch);
     }
     return failed ? -1 : 0;
