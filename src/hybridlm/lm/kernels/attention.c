@@ -114,7 +114,7 @@ static void softmax(float *s, int64_t c) {
     for (t = 0; t < c; ++t) s[t] *= inv;
 }
 
-/* out = Σ_t a_t V_t over c rows, in the order of t, 64 (else 8) coordinates at a time in
+/* out = Σ_t a_t V_t over c ≥ 1 rows, in the order of t, 64 (else 8) coordinates at a time in
  * registers: rows t < c − 1 from V, the last one from `last` (V + (c − 1)·d where the rows are
  * one block; a fork's own row stands apart from the state it continues). */
 static void weighted_sum(const float *a, const float *V, const float *last, int64_t d, int64_t c, float *out) {
@@ -123,23 +123,26 @@ static void weighted_sum(const float *a, const float *V, const float *last, int6
     for (; i + 64 <= d; i += 64) {
         __m256 o[8];
         for (int u = 0; u < 8; ++u) o[u] = _mm256_setzero_ps();
-        for (int64_t t = 0; t < c; ++t) {
+        for (int64_t t = 0; t < c - 1; ++t) {
             const __m256 w = _mm256_set1_ps(a[t]);
-            const float *v = (t < c - 1 ? V + t * d : last) + i;
+            const float *v = V + t * d + i;
             for (int u = 0; u < 8; ++u) o[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * u), o[u]);
         }
+        const __m256 w = _mm256_set1_ps(a[c - 1]);
+        for (int u = 0; u < 8; ++u) o[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(last + i + 8 * u), o[u]);
         for (int u = 0; u < 8; ++u) _mm256_storeu_ps(out + i + 8 * u, o[u]);
     }
     for (; i + 8 <= d; i += 8) {
         __m256 o = _mm256_setzero_ps();
-        for (int64_t t = 0; t < c; ++t)
-            o = _mm256_fmadd_ps(_mm256_set1_ps(a[t]), _mm256_loadu_ps((t < c - 1 ? V + t * d : last) + i), o);
+        for (int64_t t = 0; t < c - 1; ++t) o = _mm256_fmadd_ps(_mm256_set1_ps(a[t]), _mm256_loadu_ps(V + t * d + i), o);
+        o = _mm256_fmadd_ps(_mm256_set1_ps(a[c - 1]), _mm256_loadu_ps(last + i), o);
         _mm256_storeu_ps(out + i, o);
     }
 #endif
     for (; i < d; ++i) {
         float o = 0.f;
-        for (int64_t t = 0; t < c; ++t) o += a[t] * (t < c - 1 ? V + t * d : last)[i];
+        for (int64_t t = 0; t < c - 1; ++t) o += a[t] * V[t * d + i];
+        o += a[c - 1] * last[i];
         out[i] = o;
     }
 }
