@@ -298,8 +298,9 @@ def status() -> str:
     lib = library()
     if lib is None:
         return f"PyTorch's kernels ({_state['why']})"
-    return (f"hybridlm's kernels ({'AVX2' if lib.vectorised else 'portable C'}): batch-invariant float32 and int4 "
-            f"products (int4 with 16-bit input per group of 32), decode attention")
+    vectors = ("AVX2 and AVX-512" if "-mavx512f" in _cpu_flags() else "AVX2") if lib.vectorised else "portable C"
+    return (f"hybridlm's kernels ({vectors}): batch-invariant float32 and int4 products (int4 with 16-bit input "
+            f"per group of 32), decode and fork attention")
 
 
 class _Unavailable(Exception):
