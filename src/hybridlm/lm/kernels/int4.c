@@ -34,7 +34,7 @@
 #define HYBRIDLM_AVX2 1
 #endif
 
-enum { GROUP = 32, TILE = 4 };
+enum { GROUP = 32, TILE = 4, AHEAD = 8 };
 
 int hybridlm_vectorised(void) {
 #ifdef HYBRIDLM_AVX2
@@ -193,6 +193,20 @@ INLINE void tile_channel(int tile, int64_t K, const uint8_t *p, const uint16_t *
 #endif
 }
 
+#ifdef HYBRIDLM_AVX2
+/* Ask for one output channel's nibbles, scales and offsets ahead of their use. One thread's
+ * channels lie one after another, and the CPU's own prefetcher alone left a single row's product
+ * waiting on memory: fetched AHEAD channels on, SmolLM2's 121 int4 products took 10.0 instead of
+ * 14.9 ms on one thread (the same bits: only loads move). */
+static inline void fetch(const uint8_t *p, int64_t bytes, const uint16_t *d, const uint16_t *m, int64_t G) {
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char *)(p + line), _MM_HINT_T0);
+    for (int64_t line = 0; line < 2 * G; line += 64) {
+        _mm_prefetch((const char *)d + line, _MM_HINT_T0);
+        _mm_prefetch((const char *)m + line, _MM_HINT_T0);
+    }
+}
+#endif
+
 /* y[R, N] = x Ŵᵀ (+ b) for x [R, K] float32 (rows contiguous), K a multiple of 32; b may be NULL.
  * Returns 0, or −1 when the scratch for x̂ could not be allocated (y is then untouched). */
 int hybridlm_int4_affine(const float *x, int64_t R, int64_t K, const uint8_t *packed, const uint16_t *d,
@@ -207,6 +221,10 @@ int hybridlm_int4_affine(const float *x, int64_t R, int64_t K, const uint8_t *pa
     for (int64_t o = 0; o < N; ++o) {
         const uint8_t *p = packed + o * (K / 2);
         const uint16_t *dg = d + o * G, *mg = m + o * G;
+#ifdef HYBRIDLM_AVX2
+        if (o + AHEAD < N) /* the channel AHEAD on: a token step waits on memory, not on arithmetic */
+            fetch(p + AHEAD * (K / 2), K / 2, dg + AHEAD * G, mg + AHEAD * G, G);
+#endif
         for (int64_t r = 0; r < R; r += TILE) {
             const int tile = (int)(R - r < TILE ? R - r : TILE);
             const int16_t *xr = xq + r * K;
