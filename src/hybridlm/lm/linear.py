@@ -60,17 +60,24 @@ class Linear(DirectModule, nn.Linear):
 def affine(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x Wᵀ + b: a token step's few rows batch-invariant, a long block in column blocks."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows <= STEP_ROWS and (x.dim() < 3 or x.shape[-2] == 1) and _plain(x, W, b):  # one token per sequence
+    if rows <= STEP_ROWS and (x.dim() < 3 or x.shape[-2] == 1):  # one token per sequence
         product = kernels.affine()
-        if product is not None and product.applies(x, W, b):
+        # (one test each, no more: a step calls this some 120 times)
+        if product is not None and not _wrapped(x, W, b) and product.applies(x, W, b):
             return product(x, W, b)
-        if rows > 1:  # one row at a time: each row's bits as if it were alone
+        if rows > 1 and _plain(x, W, b):  # one row at a time: each row's bits as if it were alone
             flat = x.reshape(rows, x.shape[-1])
             out = torch.cat([torch.nn.functional.linear(flat[r : r + 1], W, b) for r in range(rows)])
             return out.view(*x.shape[:-1], W.shape[0])
     elif W.shape[0] > BLOCK_COLUMNS and _plain(x, W, b):
         return _column_blocks(x, W, b)
     return torch.nn.functional.linear(x, W, b)
+
+
+def _wrapped(*tensors) -> bool:
+    """Whether a functorch transform wraps any of the tensors."""
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return any(t is not None and wrapped(t) for t in tensors)
 
 
 def _plain(*tensors) -> bool:

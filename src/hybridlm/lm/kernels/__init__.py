@@ -71,18 +71,17 @@ class AffineKernel:
     @staticmethod
     def applies(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> bool:
         """Float32 CPU tensors, W stored column by column (Wᵀ rows contiguous), outside autograd."""
-        grad = torch.is_grad_enabled()
-        return (x.dtype == W.dtype == torch.float32 and x.device.type == W.device.type == "cpu"
+        return (x.dtype == W.dtype == torch.float32 and x.is_cpu and W.is_cpu
                 and W.dim() == 2 and W.stride(0) == 1 and W.stride(1) >= W.shape[0]
                 and (b is None or (b.dtype == torch.float32 and b.is_contiguous()))
-                and not (grad and (x.requires_grad or W.requires_grad or (b is not None and b.requires_grad))))
+                and not (torch.is_grad_enabled()
+                         and (x.requires_grad or W.requires_grad or (b is not None and b.requires_grad))))
 
     def __call__(self, x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] → [..., N] for W [N, K] (column by column) and b [N] or None."""
-        if not x.is_contiguous():
-            x = x.contiguous()
+        x = x.contiguous()  # (itself when it already is)
         K, N = x.shape[-1], W.shape[0]
-        y = x.new_empty(x.shape[:-1] + (N,))
+        y = x.new_empty((*x.shape[:-1], N))
         R = x.numel() // K if K else 0
         if R and self._affine(x.data_ptr(), R, K, W.data_ptr(), W.stride(1), None if b is None else b.data_ptr(),
                               N, y.data_ptr()):
