@@ -152,7 +152,7 @@ class Attention(DirectModule):
             q, k = qk[:, :, :H], qk[:, :, H:]
         n = fork.n
         fork.write(self.layer, k[:, 0], v[:, 0])
-        first = n + 1 - self.window if self.window is not None and n + 1 > self.window else 0
+        first = self._first_key(n)
         K = fork.parent.keys(self.layer)[0, :, first:]  # [H_kv, n − first, d]
         V = fork.parent.values(self.layer)[0, :, first:]
         g = H // H_kv
@@ -171,31 +171,40 @@ class Attention(DirectModule):
     def _fork_step(self, heads, fork: ForkedState, rotary):
         """The fork in one compiled call: each candidate's rows and output with the bits the
         one-sequence decode step gives its successor state (None where the kernel cannot run)."""
-        step = kernels.decode_attention()
         K, V = fork.parent.layer_buffers(self.layer)
-        if step is None or K.dtype != torch.float32 or not (K.is_cpu and K.is_contiguous() and V.is_contiguous()):
+        compiled = self._compiled(rotary, K, V)
+        if compiled is None:
             return None
-        cos = sin = None
-        if rotary is not None:
-            cos, sin = rotary.cos, rotary.sin
-            if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
-                return None
+        step, cos, sin = compiled
         n = fork.n
-        start = n + 1 - self.window if self.window is not None and n + 1 > self.window else 0
-        o, k, v = step.fork(heads.contiguous(), K, V, n, start, cos, sin, self.scale, self.n_kv_head)
+        o, k, v = step.fork(heads.contiguous(), K, V, n, self._first_key(n), cos, sin, self.scale, self.n_kv_head)
         fork.write(self.layer, k, v)
         return o
 
     def _batch_step(self, heads, batch: StateBatch, rotary):
-        step, meta = kernels.decode_attention(), batch.meta()
-        if step is None or meta is None:
+        compiled, meta = self._compiled(rotary), batch.meta()
+        if compiled is None or meta is None:
             return None
-        cos = sin = None
-        if rotary is not None:
-            cos, sin = rotary.cos, rotary.sin
-            if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
-                return None
+        step, cos, sin = compiled
         return step.batch(heads.contiguous(), meta, self.layer, self.window, cos, sin, self.scale, self.n_kv_head)
+
+    def _compiled(self, rotary, K=None, V=None):
+        """(the compiled decode attention, cos, sin), or None where it cannot run: the library
+        missing, or a state's buffers K, V or the rotary tables not contiguous float32 on the CPU."""
+        step = kernels.decode_attention()
+        if step is None or (K is not None and (K.dtype != torch.float32
+                                               or not (K.is_cpu and K.is_contiguous() and V.is_contiguous()))):
+            return None
+        if rotary is None:
+            return step, None, None
+        cos, sin = rotary.cos, rotary.sin
+        if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
+            return None
+        return step, cos, sin
+
+    def _first_key(self, n: int) -> int:
+        """The first key the query at position n reads: 0, or n + 1 − w in a local layer of window w."""
+        return n + 1 - self.window if self.window is not None and n + 1 > self.window else 0
 
     def _watched(self) -> bool:
         """Whether a hook watches or replaces q, k, v, S, A or z (then every state is formed)."""
@@ -208,17 +217,13 @@ class Attention(DirectModule):
         on q, k, v, S, A or z, in stages with the hook points between them (observing hooks
         change no bit). None where the library is missing or the state's buffer or the
         rotary tables are not plain contiguous float32."""
-        step = kernels.decode_attention()
         K, V = state.layer_buffers(self.layer)
-        if step is None or K.dtype != torch.float32 or not (K.is_cpu and K.is_contiguous() and V.is_contiguous()):
+        compiled = self._compiled(rotary, K, V)
+        if compiled is None:
             return None
-        cos = sin = None
-        if rotary is not None:
-            cos, sin = rotary.cos, rotary.sin
-            if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
-                return None
+        step, cos, sin = compiled
         n = state.n
-        start = n + 1 - self.window if self.window is not None and n + 1 > self.window else 0
+        start = self._first_key(n)
         if not self._watched():
             return step(heads.contiguous(), K, V, n, start, cos, sin, self.scale, self.n_kv_head)
         B, H, H_kv, d = heads.shape[0], self.n_head, self.n_kv_head, self.d_head

@@ -173,6 +173,24 @@ static void query(const float *q, const float *cos, const float *sin, int64_t d,
 
 enum { PARALLEL_WORK = 262144 }; /* B·H·keys·d above which the heads are split over the threads */
 
+/* One query head of one sequence against c ≥ 1 keys: q_in rotated, its scores against the c − 1
+ * keys from K and the last key k_last, their softmax, and the weighted sum of the values from V
+ * and v_last, into out [d] (the last key and value are K + (c − 1)·d and V + (c − 1)·d where the
+ * rows are one block; a fork's own row stands apart). Returns 0, or −1 without scratch memory. */
+static int attend(const float *q_in, const float *cos, const float *sin, const float *K, const float *V,
+                  const float *k_last, const float *v_last, int64_t d, int64_t c, float scale, float *out) {
+    float *scratch = malloc(sizeof(float) * (size_t)(c + d));
+    if (!scratch) return -1;
+    float *q = scratch + c;
+    query(q_in, cos, sin, d, q);
+    scores(q, K, d, c - 1, scale, scratch);
+    scratch[c - 1] = dot(q, k_last, d) * scale;
+    softmax(scratch, c);
+    weighted_sum(scratch, V, v_last, d, c, out);
+    free(scratch);
+    return 0;
+}
+
 /* The whole step in one call (no hook attached): heads [B, H + 2·H_kv, d] → out [B, H, d].
  * Returns 0, or −1 when scratch memory could not be had (the state is then written, out not). */
 int hybridlm_decode_attention(const float *heads, int64_t B, int64_t H, int64_t Hkv, int64_t d, float *K, float *V,
@@ -184,18 +202,10 @@ int hybridlm_decode_attention(const float *heads, int64_t B, int64_t H, int64_t 
 #pragma omp parallel for schedule(static) if (B * H * c * d > PARALLEL_WORK) reduction(| : failed)
     for (int64_t task = 0; task < B * H; ++task) {
         const int64_t b = task / H, h = task % H, j = h / group;
-        float *scratch = malloc(sizeof(float) * (size_t)(c + d));
-        if (!scratch) {
-            failed = 1;
-            continue;
-        }
-        float *q = scratch + c;
-        query(heads + b * width + h * d, cos, sin, d, q);
         const float *Kb = K + ((b * Hkv + j) * cap + start) * d, *Vb = V + ((b * Hkv + j) * cap + start) * d;
-        scores(q, Kb, d, c, scale, scratch);
-        softmax(scratch, c);
-        weighted_sum(scratch, Vb, Vb + (c - 1) * d, d, c, out + (b * H + h) * d);
-        free(scratch);
+        if (attend(heads + b * width + h * d, cos, sin, Kb, Vb, Kb + (c - 1) * d, Vb + (c - 1) * d, d, c, scale,
+                   out + (b * H + h) * d))
+            failed = 1;
     }
     return failed ? -1 : 0;
 }
@@ -275,19 +285,11 @@ int hybridlm_decode_attention_batch(const float *heads, int64_t B, int64_t H, in
     for (int64_t task = 0; task < B * H; ++task) {
         const int64_t b = task / H, h = task % H, j = h / group;
         const int64_t start = window > 0 && n[b] + 1 > window ? n[b] + 1 - window : 0, c = n[b] + 1 - start;
-        float *scratch = malloc(sizeof(float) * (size_t)(c + d));
-        if (!scratch) {
-            failed = 1;
-            continue;
-        }
-        float *q = scratch + c;
-        query(heads + b * width + h * d, cos ? cos + n[b] * d : 0, sin ? sin + n[b] * d : 0, d, q);
         const float *K = (const float *)(intptr_t)base[b] + 2 * layer * Hkv * cap[b] * d;
         const float *Kb = K + (j * cap[b] + start) * d, *Vb = K + Hkv * cap[b] * d + (j * cap[b] + start) * d;
-        scores(q, Kb, d, c, scale, scratch);
-        softmax(scratch, c);
-        weighted_sum(scratch, Vb, Vb + (c - 1) * d, d, c, out + (b * H + h) * d);
-        free(scratch);
+        if (attend(heads + b * width + h * d, cos ? cos + n[b] * d : 0, sin ? sin + n[b] * d : 0, Kb, Vb,
+                   Kb + (c - 1) * d, Vb + (c - 1) * d, d, c, scale, out + (b * H + h) * d))
+            failed = 1;
     }
     return failed ? -1 : 0;
 }
@@ -308,20 +310,9 @@ int hybridlm_fork_attention(const float *heads, int64_t B, int64_t H, int64_t Hk
 #pragma omp parallel for schedule(static) if (B * H * c * d > PARALLEL_WORK) reduction(| : failed)
     for (int64_t task = 0; task < B * H; ++task) {
         const int64_t b = task / H, h = task % H, j = h / group;
-        float *scratch = malloc(sizeof(float) * (size_t)(c + d));
-        if (!scratch) {
+        if (attend(heads + b * width + h * d, cos, sin, K + (j * cap + start) * d, V + (j * cap + start) * d,
+                   own_k + (b * Hkv + j) * d, own_v + (b * Hkv + j) * d, d, c, scale, out + (b * H + h) * d))
             failed = 1;
-            continue;
-        }
-        float *q = scratch + c;
-        query(heads + b * width + h * d, cos, sin, d, q);
-        const float *Kj = K + (j * cap + start) * d, *Vj = V + (j * cap + start) * d;
-        const float *k = own_k + (b * Hkv + j) * d, *v = own_v + (b * Hkv + j) * d;
-        scores(q, Kj, d, c - 1, scale, scratch);
-        scratch[c - 1] = dot(q, k, d) * scale;
-        softmax(scratch, c);
-        weighted_sum(scratch, Vj, v, d, c, out + (b * H + h) * d);
-        free(scratch);
     }
     return failed ? -1 : 0;
 }
