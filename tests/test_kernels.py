@@ -419,6 +419,13 @@ def test_the_portable_c_build_is_the_same_map(fresh, monkeypatch):
         check_attention(B, shape, n, rotary, window, scale, seed=n)
     for case in [(1, 1, 1, False, 0), (33, 70, 5, True, 1), (96, 64, 2, True, 2), (200, 130, 17, False, 3)]:
         check_affine(*case)
+    from tests.test_step import check_activations, check_blocks, check_norm
+
+    for case in [(1, 576, True, True, 0), (3, 77, False, True, 1), (32, 9, False, False, 2)]:
+        check_norm(*case)
+    check_activations(5, 99, 3)
+    check_blocks("llama", "int4", monkeypatch)
+    check_blocks("gpt2", "float32", monkeypatch)
 
 
 @requires_kernel

@@ -56,6 +56,20 @@ class Linear(DirectModule, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return affine(x, self.weight, self.bias)
 
+    def kernel_tensors(self) -> tuple | None:
+        """What the compiled blocks read of this map (`hybridlm.lm.step`): W and b; None for a
+        subclass, whose forward may compute something else."""
+        return (self.weight, self.bias) if type(self) is Linear else None
+
+    def kernel_product(self) -> kernels.Product | None:
+        """This map as the compiled blocks read it (the addresses of W, stored column by column,
+        and b), or None where its tensors are not plain float32 on the CPU in that layout."""
+        W, b = self.weight, self.bias
+        if (W.dtype != torch.float32 or not W.is_cpu or W.dim() != 2 or W.stride(0) != 1
+                or W.stride(1) < W.shape[0] or not kernels.plain_vector(b, W.shape[0])):
+            return None
+        return kernels.Product(wt=W.data_ptr(), ldw=W.stride(1), bias=kernels.address(b), K=W.shape[1], N=W.shape[0])
+
 
 def affine(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x Wᵀ + b: a token step's few rows batch-invariant, a long block in column blocks."""

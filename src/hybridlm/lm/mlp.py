@@ -3,6 +3,9 @@
 GPT-2: σ_act(R W_fc + 𝟏b_fcᵀ) W_proj + 𝟏b_projᵀ with σ_act the tanh form of GELU,
 0.5x(1 + tanh(√(2/π)(x + 0.044715x³))) (SPEC.md §2, seed 000).
 SwiGLU: (silu(R W_gate) ⊙ R W_up) W_down.
+
+A token step's rows take the compiled activations of `hybridlm.lm.kernels` (layer.c), the ones a
+compiled block runs, so a block has the same bits whether it runs compiled or staged.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridlm.lm import kernels
 from hybridlm.lm.config import ModelConfig
 from hybridlm.lm.direct import DirectModule
 from hybridlm.lm.hooks import HookPoint
@@ -27,7 +31,9 @@ class GeluMLP(DirectModule):
 
     def forward(self, r: torch.Tensor) -> torch.Tensor:
         pre = self.hook_pre(self.W_fc(r))
-        return self.W_proj(self.hook_post(F.gelu(pre, approximate="tanh")))
+        kernel = _step_kernel(pre)
+        post = F.gelu(pre, approximate="tanh") if kernel is None else kernel.gelu(pre)
+        return self.W_proj(self.hook_post(post))
 
 
 class SwiGLU(DirectModule):
@@ -57,7 +63,18 @@ class SwiGLU(DirectModule):
         gate_up, d = self.W_gate_up(r), self.d_mlp
         gate, up = gate_up[..., :d], gate_up[..., d:]  # (slices: cheaper than Tensor.split's Python wrapper)
         gate, up = self.hook_pre(gate), self.hook_pre_linear(up)
-        return self.W_down(self.hook_post(F.silu(gate) * up))
+        kernel = _step_kernel(gate, up)
+        post = F.silu(gate) * up if kernel is None else kernel.swiglu(gate, up)
+        return self.W_down(self.hook_post(post))
+
+
+def _step_kernel(*states: torch.Tensor):
+    """The compiled activation where every state is a token step's rows of one shape (see
+    `hybridlm.lm.kernels.BlockKernel.takes`), the one a compiled block runs; else None."""
+    kernel = kernels.blocks()
+    if kernel is None or any(s.shape != states[0].shape or not kernel.takes(s) for s in states):
+        return None
+    return kernel
 
 
 def make_mlp(cfg: ModelConfig) -> nn.Module:

@@ -33,6 +33,7 @@ from hybridlm.lm.mlp import make_mlp
 from hybridlm.lm.norm import make_norm
 from hybridlm.lm.positions import LearnedPositions, Rotary
 from hybridlm.lm.state import ForkedState, KVState, StateBatch
+from hybridlm.lm.step import run_blocks, token_step
 
 
 class Block(DirectModule):
@@ -51,10 +52,15 @@ class Block(DirectModule):
         self.hook_mlp_out = HookPoint()
         self.hook_resid_post = HookPoint()
 
-    def forward(self, h, pos, state=None, rotary=None):
+    def forward(self, h, pos, state=None, rotary=None, step=None):
+        """`step` (hybridlm.lm.step.TokenStep): a token step whose sublayers may run compiled, each
+        in one call, where no hook point inside them is attached."""
+        spec = None if step is None else step.table.spec(self)
         h = self.hook_resid_pre(h)
-        h = self.hook_resid_mid(h + self.hook_attn_out(self.attn(self.ln1(h), pos, state, rotary)))
-        return self.hook_resid_post(h + self.hook_mlp_out(self.mlp(self.ln2(h))))
+        a = self.attn(self.ln1(h), pos, state, rotary) if spec is None else step.attention(spec, h)
+        h = self.hook_resid_mid(h + self.hook_attn_out(a))
+        m = self.mlp(self.ln2(h)) if spec is None else step.mlp(spec, h)
+        return self.hook_resid_post(h + self.hook_mlp_out(m))
 
 
 class StateSpaceForm:
@@ -234,8 +240,8 @@ class DecoderLM(StateSpaceForm, HookedModule, Recordable):
             state.reserve(m)
         h = self.embed(ids, pos) if prefix is None else self.embed(ids, pos, prefix)
         rotary = self.rotary  # (read once; slicing a ModuleList builds a new one, so only when asked)
-        for block in self.blocks if layers is None else self.blocks[:layers]:
-            h = block(h, pos, state, rotary)
+        blocks = self.blocks if layers is None else self.blocks[:layers]
+        h = run_blocks(blocks, h, pos, state, rotary, token_step(self, h, state, rotary))
         if state is not None:
             state.commit(ids if prefix is None else torch.cat([ids.new_full((ids.shape[0], p), -1), ids], dim=1))
         if isinstance(state, ForkedState) and layers in (None, self.config.n_layer):
@@ -291,8 +297,7 @@ class DecoderLM(StateSpaceForm, HookedModule, Recordable):
         self.hook_ctx.pos = pos
         h = self.embed(ids, pos)
         rotary = self.rotary
-        for block in self.blocks:
-            h = block(h, pos, batch, rotary)
+        h = run_blocks(self.blocks, h, pos, batch, rotary, token_step(self, h, batch, rotary))
         batch.commit(ids)
         return self.readout(h)[:, -1]
 

@@ -5,7 +5,11 @@ seed 000). Before the affine part it maps onto the sphere {x : Σx_j = 0, ‖x�
 RMSNorm drops the centring and the bias: γ ⊙ h / sqrt(mean h_j² + ε).
 
 `hook_normalized` sees the state before the affine part (the point on the sphere).
-With no hook attached LayerNorm runs the fused kernel. RMSNorm's written-out form takes
+A token step's rows (float32 on the CPU, one position per sequence) take the compiled norm of
+`hybridlm.lm.kernels` (layer.c), the one that a compiled block runs, so that a block gives the
+same bits whether it runs compiled or staged between hook points; with a hook attached, the
+kernel forms x̂ and γ (and β) follow after the hook point, the same roundings. Elsewhere, with
+no hook attached LayerNorm runs PyTorch's fused kernel. RMSNorm's written-out form takes
 the mean square in float32, as `transformers` does, and gives its bits in float32 and
 bfloat16; on a float32 state the fused `rms_norm` runs instead, one call that gives the same
 bits (with a hook, without γ, which multiplies after the hook point; in bfloat16 it rounds
@@ -19,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridlm.lm import kernels
 from hybridlm.lm.config import ModelConfig
 from hybridlm.lm.direct import DirectModule
 from hybridlm.lm.hooks import HookPoint
@@ -33,6 +38,11 @@ class LayerNorm(DirectModule):
         self.hook_normalized = HookPoint()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        kernel = _step_kernel(h, self.weight, self.bias)
+        if kernel is not None:
+            if not self.hook_normalized.active:
+                return kernel.norm(h, False, self.eps, self.weight, self.bias)
+            return self.hook_normalized(kernel.norm(h, False, self.eps, None, None)) * self.weight + self.bias
         if not self.hook_normalized.active:
             return F.layer_norm(h, h.shape[-1:], self.weight, self.bias, self.eps)
         x = self.hook_normalized(F.layer_norm(h, h.shape[-1:], None, None, self.eps))
@@ -47,6 +57,11 @@ class RMSNorm(DirectModule):
         self.hook_normalized = HookPoint()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        kernel = _step_kernel(h, self.weight)
+        if kernel is not None:
+            if not self.hook_normalized.active:
+                return kernel.norm(h, True, self.eps, self.weight, None)
+            return self.weight * self.hook_normalized(kernel.norm(h, True, self.eps, None, None))
         if h.dtype == torch.float32:  # fused, the same bits; hooked: γ applied after the hook point
             if not self.hook_normalized.active:
                 return F.rms_norm(h, h.shape[-1:], self.weight, self.eps)
@@ -54,6 +69,19 @@ class RMSNorm(DirectModule):
         h32 = h.float()  # (as transformers does: the mean square in float32 whatever the dtype)
         inv_rms = (h32 * h32).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
         return self.weight * self.hook_normalized((h32 * inv_rms).to(h.dtype))
+
+
+def _step_kernel(h: torch.Tensor, *params: torch.Tensor):
+    """The compiled norm where h is a token step's rows and the parameters plain float32 outside
+    autograd; else None."""
+    kernel = kernels.blocks()
+    if kernel is None or not kernel.takes(h):
+        return None
+    grad = torch.is_grad_enabled()
+    for p in params:
+        if p.dtype != torch.float32 or not p.is_cpu or not p.is_contiguous() or (grad and p.requires_grad):
+            return None
+    return kernel
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:

@@ -150,6 +150,20 @@ class Int4Linear(DirectModule):
         b = None if self.bias is None else self.bias.to(x.dtype)
         return torch.nn.functional.linear(x, self.weight.to(x.dtype), b)
 
+    def kernel_tensors(self) -> tuple | None:
+        """What the compiled blocks read of this map (`hybridlm.lm.step`); None for a subclass."""
+        return (self.packed, self.d_bits, self.m_bits, self.bias) if type(self) is Int4Linear else None
+
+    def kernel_product(self) -> kernels.Product | None:
+        """This map as the compiled blocks read it (the addresses of its codes, scales, offsets and
+        bias), or None where they are not contiguous on the CPU."""
+        codes = (self.packed, self.d_bits, self.m_bits)
+        if not all(t.is_cpu and t.is_contiguous() for t in codes) or not kernels.plain_vector(self.bias,
+                                                                                            self.out_features):
+            return None
+        return kernels.Product(packed=codes[0].data_ptr(), d=codes[1].data_ptr(), m=codes[2].data_ptr(),
+                               bias=kernels.address(self.bias), K=self.in_features, N=self.out_features)
+
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x Ŵᵀ by PyTorch's int4 kernel (x in bfloat16), for `_affine`."""
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.aten_packed, self.group, self.scales_and_zeros)

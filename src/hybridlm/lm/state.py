@@ -169,13 +169,10 @@ class StateBatch:
         self._meta: torch.Tensor | None = None
 
     def meta(self) -> torch.Tensor | None:
-        """[3, B] int64: the address of each state's buffer, its capacity and its n (for the
-        compiled step); None when some buffer is not contiguous float32 on the CPU."""
+        """The compiled step's table of rows (`step_rows`), or None when some buffer is not
+        contiguous float32 on the CPU."""
         if self._meta is None:
-            if any(x.kv.dtype != torch.float32 or not x.kv.is_cpu or not x.kv.is_contiguous() for x in self.states):
-                return None
-            self._meta = torch.tensor([[x.kv.data_ptr() for x in self.states], [x.capacity for x in self.states],
-                                       self.n.tolist()], dtype=torch.int64)
+            self._meta = step_rows(self.states)
         return self._meta
 
     def commit(self, w: torch.Tensor) -> None:
@@ -231,3 +228,20 @@ class ForkedState:
         x.commit(torch.tensor([[token]], dtype=torch.long, device=x.device))
         return True
 
+
+
+def step_rows(states: list[KVState]) -> torch.Tensor | None:
+    """Where a token step's rows keep their keys and values, for the compiled kernels: [5, R]
+    int64 over the rows of the states in order (a state of B sequences gives B rows), holding each
+    row's address of its layer-0 keys, its capacity, its length n, and (in floats) the stride from
+    one layer's keys to the next and from a layer's keys to its values. None when some buffer is
+    not contiguous float32 on the CPU."""
+    columns = []
+    for x in states:
+        kv = x.kv
+        if kv.dtype != torch.float32 or not kv.is_cpu or not kv.is_contiguous():
+            return None
+        B, H_kv, cap, d = kv.shape[2:]
+        head = H_kv * cap * d  # floats of one sequence's keys in one layer
+        columns += [(kv.data_ptr() + 4 * b * head, cap, x.n, 2 * B * head, B * head) for b in range(B)]
+    return torch.tensor(columns, dtype=torch.int64).t().contiguous()

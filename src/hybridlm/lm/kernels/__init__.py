@@ -19,6 +19,13 @@ written into the state, and softmax(q Kᵀ · scale) V over the state, in one ca
 that is some 25 small operations and a fused attention kernel per layer, about a third of a
 SmolLM2 decode step on this kind of CPU, whose arithmetic is a few microseconds.
 
+`layer.c`, a token step of whole blocks (`hybridlm.lm.step`): the norms, the activations and
+the residual sums around the products and attention above, a sublayer in one call and a run of
+unwatched blocks in one call. A token step of SmolLM2 had spent as long again in these small
+PyTorch operations and the Python between them as in its products. The staged path (a hook
+point inside a sublayer) calls the same norms and activations one at a time, so a block's bits
+do not depend on what watches it.
+
 Each source's header states its map exactly.
 
 Threads. The library is linked against the OpenMP runtime that PyTorch loaded (found in
@@ -56,8 +63,8 @@ from hybridlm.lm.cpu import cpuinfo
 STEP_ROWS = 32  # a product of at most this many rows (a token step's) takes the compiled kernels
 BLOCK_COLUMNS = 768  # a product of more rows is taken this many output columns at a time (the BLAS's)
 
-_SOURCES = ("affine.c", "int4.c", "attention.c")  # in the folder of this module
-_HEADERS = ("simd.h",)  # what they include (part of the build's digest)
+_SOURCES = ("affine.c", "int4.c", "attention.c", "layer.c")  # in the folder of this module
+_HEADERS = ("simd.h", "kernels.h")  # what they include (part of the build's digest)
 
 
 class AffineKernel:
@@ -157,7 +164,7 @@ class DecodeAttention:
         self._scores = _function(lib.hybridlm_attention_scores,
                                  [p, p, p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, f32, p], ctypes.c_int)
         self._batch = _function(lib.hybridlm_decode_attention_batch,
-                                [p, i64, i64, i64, i64, p, p, p, i64, i64, p, p, f32, p], ctypes.c_int)
+                                [p, i64, i64, i64, i64, p, i64, i64, p, p, f32, p], ctypes.c_int)
         self._fork = _function(lib.hybridlm_fork_attention,
                                [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, f32, p, p, p], ctypes.c_int)
         self._pattern = _function(lib.hybridlm_attention_pattern, [p, i64, i64, i64, p])
@@ -174,17 +181,16 @@ class DecodeAttention:
             raise MemoryError(f"decode attention: no memory for the scores over {n + 1 - start} keys")
         return out
 
-    def batch(self, heads: torch.Tensor, meta: torch.Tensor, layer: int, window: int | None,
+    def batch(self, heads: torch.Tensor, rows: torch.Tensor, layer: int, window: int | None,
               cos: torch.Tensor | None, sin: torch.Tensor | None, scale: float, n_kv_head: int) -> torch.Tensor:
         """A ragged batch in one call: heads [B, 1, H + 2·H_kv, d] → O [B, 1, H, d], row b against
-        its own state (`meta`: StateBatch.meta(), buffers [L, 2, 1, H_kv, cap_b, d]); cos and sin
-        the whole rotary tables [T, d] or None."""
+        its own state (`rows`: the [5, B] table of `hybridlm.lm.state.step_rows`); cos and sin the
+        whole rotary tables [T, d] or None."""
         B, _, width, d = heads.shape
         H = width - 2 * n_kv_head
         out = heads.new_empty(B, 1, H, d)
-        base, cap, n = meta[0], meta[1], meta[2]
-        if self._batch(heads.data_ptr(), B, H, n_kv_head, d, base.data_ptr(), cap.data_ptr(), n.data_ptr(), layer,
-                       window or 0, None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
+        if self._batch(heads.data_ptr(), B, H, n_kv_head, d, rows.data_ptr(), layer, window or 0,
+                       None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
                        scale, out.data_ptr()):
             raise MemoryError("decode attention: no memory for the scores of a batch")
         return out
@@ -229,6 +235,123 @@ class DecodeAttention:
         return O
 
 
+class Product(ctypes.Structure):
+    """One affine map as layer.c reads it: float32 Wᵀ [K, ldw] (`wt`), or int4 (`packed`, `d`, `m`)."""
+
+    _fields_ = [("wt", ctypes.c_void_p), ("ldw", ctypes.c_int64), ("packed", ctypes.c_void_p),
+                ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("K", ctypes.c_int64), ("N", ctypes.c_int64)]
+
+
+class BlockSpec(ctypes.Structure):
+    """One block's parameters as layer.c reads them (the addresses of its tensors, not copies)."""
+
+    _fields_ = [("rms", ctypes.c_int64), ("swiglu", ctypes.c_int64), ("layer", ctypes.c_int64),
+                ("window", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("g1", ctypes.c_void_p), ("b1", ctypes.c_void_p), ("g2", ctypes.c_void_p), ("b2", ctypes.c_void_p),
+                ("qkv", Product), ("out", Product), ("up", Product), ("down", Product)]
+
+
+class Sizes(ctypes.Structure):
+    """The sizes a model's blocks share: width D, heads H and H_kv, head width d, MLP width."""
+
+    _fields_ = [("D", ctypes.c_int64), ("H", ctypes.c_int64), ("Hkv", ctypes.c_int64), ("d", ctypes.c_int64),
+                ("d_mlp", ctypes.c_int64)]
+
+
+class BlockKernel:
+    """A token step of the blocks through the compiled library (layer.c states the map): its norms
+    and activations alone (what the staged path calls), each sublayer in one call, or a run of
+    whole blocks in one call. All of them give the same bits for the same rows."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        self._norm = _function(lib.hybridlm_norm, [p, i64, i64, i64, f32, p, p, p])
+        self._swiglu = _function(lib.hybridlm_swiglu, [p, i64, p, i64, i64, i64, p])
+        self._gelu = _function(lib.hybridlm_gelu, [p, i64, i64, p])
+        self._attention = _function(lib.hybridlm_attention_sublayer, [p, p, p, i64, p, p, p, p], ctypes.c_int)
+        self._mlp = _function(lib.hybridlm_mlp_sublayer, [p, p, p, i64, p], ctypes.c_int)
+        self._blocks = _function(lib.hybridlm_decode_blocks, [p, i64, p, p, i64, p, p, p], ctypes.c_int)
+
+    @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        """Whether x is a token step's rows ([..., 1, D] or [R, D], at most `STEP_ROWS` rows) of
+        float32 on the CPU outside autograd: what these kernels compute for."""
+        return (x.dtype == torch.float32 and x.is_cpu and (x.dim() < 3 or x.shape[-2] == 1)
+                and x.numel() <= STEP_ROWS * x.shape[-1]
+                and not (x.requires_grad and torch.is_grad_enabled())
+                and not torch._C._functorch.is_functorch_wrapped_tensor(x))
+
+    def norm(self, h: torch.Tensor, rms: bool, eps: float, g: torch.Tensor | None,
+             b: torch.Tensor | None) -> torch.Tensor:
+        """LayerNorm or RMSNorm of each row of h (γ, β: contiguous float32, or None for x̂ alone)."""
+        h = h.contiguous()
+        out = torch.empty_like(h)
+        D = h.shape[-1]
+        self._norm(h.data_ptr(), h.numel() // D if D else 0, D, int(rms), eps, address(g), address(b),
+                   out.data_ptr())
+        return out
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) ⊙ up, both [..., n] (slices of the fused product are read where they lie)."""
+        n = gate.shape[-1]
+        out = gate.new_empty(gate.shape)
+        if out.numel():
+            g, u = _matrix(gate, n), _matrix(up, n)
+            self._swiglu(g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), g.shape[0], n, out.data_ptr())
+        return out
+
+    def gelu(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        n = x.shape[-1]
+        self._gelu(x.data_ptr(), x.numel() // n if n else 0, n, out.data_ptr())
+        return out
+
+    def attention(self, spec, sizes: Sizes, h: torch.Tensor, rows: torch.Tensor, cos, sin) -> torch.Tensor:
+        """The attention sublayer of one block (`spec`) for the rows h [R, 1, D]: Attn(LN₁(h)) W_O + b_O."""
+        h = h.contiguous()
+        out = torch.empty_like(h)
+        if self._attention(ctypes.addressof(spec), ctypes.addressof(sizes), h.data_ptr(), rows.shape[1],
+                           rows.data_ptr(), address(cos), address(sin), out.data_ptr()):
+            raise MemoryError("attention sublayer: no scratch memory")
+        return out
+
+    def mlp(self, spec, sizes: Sizes, h: torch.Tensor) -> torch.Tensor:
+        """The MLP sublayer of one block for the rows h [R, 1, D]: MLP(LN₂(h))."""
+        h = h.contiguous()
+        out = torch.empty_like(h)
+        if self._mlp(ctypes.addressof(spec), ctypes.addressof(sizes), h.data_ptr(), h.shape[0], out.data_ptr()):
+            raise MemoryError("MLP sublayer: no scratch memory")
+        return out
+
+    def blocks(self, specs: int, count: int, sizes: Sizes, h: torch.Tensor, rows: torch.Tensor, cos, sin) -> None:
+        """`count` consecutive blocks (their specs from address `specs` on) for the rows h [R, 1, D],
+        contiguous, advanced in place."""
+        if self._blocks(specs, count, ctypes.addressof(sizes), h.data_ptr(), rows.shape[1], rows.data_ptr(),
+                        address(cos), address(sin)):
+            raise MemoryError("decode blocks: no scratch memory")
+
+
+def address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def plain_vector(t: torch.Tensor | None, n: int) -> bool:
+    """Whether t is None or a contiguous float32 vector of n entries on the CPU (a gain or a bias)."""
+    return t is None or (t.dtype == torch.float32 and t.is_cpu and t.dim() == 1 and t.shape[0] == n
+                         and t.is_contiguous())
+
+
+def _matrix(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t as an [R, n] matrix of contiguous rows, evenly spaced (a view where one exists)."""
+    try:
+        m = t.view(-1, n)
+    except RuntimeError:
+        m = t.contiguous().view(-1, n)
+    return m if m.stride(1) == 1 else m.contiguous()
+
+
 def plain(t: torch.Tensor, shape: tuple, what: str) -> torch.Tensor:
     """What a hook handed back, as contiguous float32 on the CPU once its shape is checked
     (−1: any size there): the compiled stages read it in C, which trusts the shape."""
@@ -259,6 +382,7 @@ class Library:
         self.affine = AffineKernel(lib)
         self.int4 = Int4Kernel(lib)
         self.decode_attention = DecodeAttention(lib)
+        self.blocks = BlockKernel(lib)
 
 
 _state: dict = {}
@@ -292,6 +416,12 @@ def decode_attention() -> DecodeAttention | None:
     return None if lib is None else lib.decode_attention
 
 
+def blocks() -> BlockKernel | None:
+    """A token step's norms, activations, sublayers and blocks, or None (then PyTorch's operations)."""
+    lib = library()
+    return None if lib is None else lib.blocks
+
+
 def status() -> str:
     """What this process computes with, and why (for reports and the bench)."""
     lib = library()
@@ -299,7 +429,7 @@ def status() -> str:
         return f"PyTorch's kernels ({_state['why']})"
     vectors = ("AVX2 and AVX-512" if "-mavx512f" in _cpu_flags() else "AVX2") if lib.vectorised else "portable C"
     return (f"hybridlm's kernels ({vectors}): batch-invariant float32 and int4 products (int4 with 16-bit input "
-            f"per group of 32), decode and fork attention")
+            f"per group of 32), decode and fork attention, compiled blocks")
 
 
 class _Unavailable(Exception):

@@ -43,31 +43,6 @@ static void rotate(const float *x, const float *cos, const float *sin, int64_t d
     }
 }
 
-#ifdef HYBRIDLM_AVX2
-/* e^x for x ≤ 0, eight at a time: x = k ln 2 + r with |r| ≤ ln 2 / 2 (ln 2 in two parts, so r
- * is exact), e^r by its degree-7 Taylor polynomial, times 2^k built in the exponent bits; 0
- * below −87 (near float's least normal number; a NaN stays NaN). Relative error below
- * 8·10⁻⁸ over [−87, 0] (every 0.0007, against double precision): about one unit in the last
- * place, as the vectorised exp inside PyTorch's own attention kernel. */
-static inline __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.f / 5040.f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-    return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), e); /* (a NaN stays NaN) */
-}
-#endif
 
 static float dot(const float *a, const float *b, int64_t d) {
     int64_t i = 0;
@@ -262,19 +237,23 @@ void hybridlm_attention_output(const float *A, int64_t B, int64_t H, int64_t Hkv
 }
 
 /* The one-call step for a ragged batch: B sequences, each with its own state (its own buffer,
- * capacity and length), as the engine's rows are. Sequence b's state is the buffer at address
- * base[b], laid out [L, 2, 1, H_kv, cap[b], d] (hybridlm.lm.state.KVState of one sequence); this
- * call reads and writes layer `layer` of it at position n[b]. window > 0: a local layer reading
- * the last `window` keys. cos and sin are the whole rotary tables [T, d] (NULL: no rotary); row
- * n[b] of them rotates sequence b. Each (b, h) is computed exactly as the single-sequence call
- * computes it, so a row's bits do not depend on its batch. Returns 0, or −1 without scratch. */
+ * capacity and length), as the engine's rows are, or the B rows of one batched state. `rows` is
+ * [5, B]: for sequence b, the address of its layer-0 keys, its capacity cap, its length n, and,
+ * in floats, the stride from one layer's keys to the next and from a layer's keys to its values
+ * (a state of one sequence, [L, 2, 1, H_kv, cap, d]: 2·H_kv·cap·d and H_kv·cap·d; row b of a
+ * batched state, [L, 2, B, H_kv, cap, d]: 2·B·H_kv·cap·d and B·H_kv·cap·d). This call reads and
+ * writes layer `layer` at position n[b]. window > 0: a local layer reading the last `window`
+ * keys. cos and sin are the whole rotary tables [T, d] (NULL: no rotary); row n[b] of them
+ * rotates sequence b. Each (b, h) is computed exactly as the single-sequence call computes it,
+ * so a row's bits do not depend on its batch. Returns 0, or −1 without scratch. */
 int hybridlm_decode_attention_batch(const float *heads, int64_t B, int64_t H, int64_t Hkv, int64_t d,
-                                    const int64_t *base, const int64_t *cap, const int64_t *n, int64_t layer,
-                                    int64_t window, const float *cos, const float *sin, float scale, float *out) {
+                                    const int64_t *rows, int64_t layer, int64_t window, const float *cos,
+                                    const float *sin, float scale, float *out) {
     const int64_t group = H / Hkv, width = (H + 2 * Hkv) * d;
+    const int64_t *base = rows, *cap = rows + B, *n = rows + 2 * B, *stride = rows + 3 * B, *values = rows + 4 * B;
     int64_t work = 0;
     for (int64_t b = 0; b < B; ++b) {
-        float *K = (float *)(intptr_t)base[b] + 2 * layer * Hkv * cap[b] * d, *V = K + Hkv * cap[b] * d;
+        float *K = (float *)(intptr_t)base[b] + layer * stride[b], *V = K + values[b];
         const float *cb = cos ? cos + n[b] * d : 0, *sb = sin ? sin + n[b] * d : 0;
         write_rows(heads + b * width + H * d, heads + b * width + (H + Hkv) * d, width, 1, Hkv, d, K, V, cap[b], n[b],
                    cb, sb);
@@ -285,8 +264,8 @@ int hybridlm_decode_attention_batch(const float *heads, int64_t B, int64_t H, in
     for (int64_t task = 0; task < B * H; ++task) {
         const int64_t b = task / H, h = task % H, j = h / group;
         const int64_t start = window > 0 && n[b] + 1 > window ? n[b] + 1 - window : 0, c = n[b] + 1 - start;
-        const float *K = (const float *)(intptr_t)base[b] + 2 * layer * Hkv * cap[b] * d;
-        const float *Kb = K + (j * cap[b] + start) * d, *Vb = K + Hkv * cap[b] * d + (j * cap[b] + start) * d;
+        const float *K = (const float *)(intptr_t)base[b] + layer * stride[b];
+        const float *Kb = K + (j * cap[b] + start) * d, *Vb = K + values[b] + (j * cap[b] + start) * d;
         if (attend(heads + b * width + h * d, cos ? cos + n[b] * d : 0, sin ? sin + n[b] * d : 0, Kb, Vb,
                    Kb + (c - 1) * d, Vb + (c - 1) * d, d, c, scale, out + (b * H + h) * d))
             failed = 1;

@@ -1,0 +1,16 @@
+/* The library's functions that one source calls in another (hybridlm/lm/kernels/__init__.py
+ * builds them together into one library). */
+#ifndef HYBRIDLM_KERNELS_H
+#define HYBRIDLM_KERNELS_H
+
+#include <stdint.h>
+
+int hybridlm_affine(const float *x, int64_t R, int64_t K, const float *wt, int64_t ldw, const float *b, int64_t N,
+                    float *y);
+int hybridlm_int4_affine(const float *x, int64_t R, int64_t K, const uint8_t *packed, const uint16_t *d,
+                         const uint16_t *m, const float *b, int64_t N, float *y);
+int hybridlm_decode_attention_batch(const float *heads, int64_t B, int64_t H, int64_t Hkv, int64_t d,
+                                    const int64_t *rows, int64_t layer, int64_t window, const float *cos,
+                                    const float *sin, float scale, float *out);
+
+#endif

@@ -1,0 +1,222 @@
+/* A token step of the blocks (SPEC.md §2): R rows, one new position each, through consecutive
+ * blocks in one call, where no hook point of those blocks is attached (see
+ * hybridlm/lm/kernels/__init__.py and hybridlm/lm/step.py). For block ℓ,
+ *
+ *   h̃ = h + Attn_ℓ(LN_{ℓ,1}(h)) W_O + b_O,        h ← h̃ + MLP_ℓ(LN_{ℓ,2}(h̃))
+ *
+ * through the products of affine.c (float32) or int4.c (int4), the attention of attention.c, and
+ * the norms and activations below, which the staged path also calls for a token step's rows:
+ * the same operations in the same order, so a block's output has the same bits whichever path
+ * runs it, and (every kernel being batch-invariant) whatever rows stand beside it.
+ *
+ *   LayerNorm  μ = Σ_i h_i / D,  σ² = Σ_i (h_i − μ)² / D,  x̂ = (h − μ) · (1 / √(σ² + ε)),  x̂ ⊙ γ + β
+ *   RMSNorm    x̂ = h · (1 / √(Σ_i h_i² / D + ε)),  x̂ ⊙ γ
+ *   SwiGLU     silu(g) ⊙ u,  silu(g) = g / (1 + e^{−g})
+ *   GELU-tanh  ½ x (1 + tanh(√(2/π) (x + 0.044715 x³)))
+ *
+ * Each sum over a row runs in a fixed order (32 lanes, then the lanes in order), each element-wise
+ * product and sum is one rounded float32 operation (-ffp-contract=off), and e^x is attention.c's.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "simd.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HYBRIDLM_AVX2 1
+#endif
+
+/* One affine map x ↦ x Wᵀ + b: float32 with W stored column by column (wt = Wᵀ [K, ldw]), or
+ * int4 on GGUF's Q4_1 grid (wt NULL; packed [N, K/2], d and m [N, K/32]). bias [N] or NULL. */
+typedef struct {
+    const float *wt;
+    int64_t ldw;
+    const uint8_t *packed;
+    const uint16_t *d, *m;
+    const float *bias;
+    int64_t K, N;
+} Product;
+
+/* One block's parameters (hybridlm.lm.step.BlockSpec mirrors this layout). */
+typedef struct {
+    int64_t rms;    /* 1: RMSNorm (no β), 0: LayerNorm */
+    int64_t swiglu; /* 1: up = [W_gate; W_up], 2·d_mlp outputs; 0: GELU-tanh, up = W_fc */
+    int64_t layer, window; /* which layer of the state; window 0: global attention */
+    float eps, scale;
+    const float *g1, *b1, *g2, *b2;
+    Product qkv, out, up, down;
+} Block;
+
+/* The model's sizes shared by its blocks. */
+typedef struct {
+    int64_t D, H, Hkv, d, d_mlp;
+} Sizes;
+
+static int product(const Product *p, const float *x, int64_t R, float *y) {
+    return p->wt ? hybridlm_affine(x, R, p->K, p->wt, p->ldw, p->bias, p->N, y)
+                 : hybridlm_int4_affine(x, R, p->K, p->packed, p->d, p->m, p->bias, p->N, y);
+}
+
+/* Σ_i (x_i − c)^p over n entries, p = 1 or 2, in a fixed order. */
+static float moment(const float *x, int64_t n, float c, int square) {
+    int64_t i = 0;
+    float total = 0.f;
+#ifdef HYBRIDLM_AVX2
+    const __m256 cv = _mm256_set1_ps(c);
+    __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (; i + 32 <= n; i += 32)
+        for (int u = 0; u < 4; ++u) {
+            const __m256 v = _mm256_sub_ps(_mm256_loadu_ps(x + i + 8 * u), cv);
+            s[u] = square ? _mm256_fmadd_ps(v, v, s[u]) : _mm256_add_ps(v, s[u]);
+        }
+    total = hsum(_mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3])));
+#endif
+    for (; i < n; ++i) {
+        const float v = x[i] - c;
+        total += square ? v * v : v;
+    }
+    return total;
+}
+
+/* out = the norm of each of the R rows of h [R, D]; γ and β may be NULL (x̂ alone, for a hook
+ * point that sees the state before the affine part). */
+void hybridlm_norm(const float *h, int64_t R, int64_t D, int64_t rms, float eps, const float *g, const float *b,
+                   float *out) {
+    for (int64_t r = 0; r < R; ++r) {
+        const float *x = h + r * D;
+        float *y = out + r * D;
+        const float mu = rms ? 0.f : moment(x, D, 0.f, 0) / (float)D;
+        const float inv = 1.f / sqrtf(moment(x, D, mu, 1) / (float)D + eps);
+        for (int64_t i = 0; i < D; ++i) {
+            float v = (x[i] - mu) * inv;
+            if (g) v = v * g[i];
+            if (b) v = v + b[i];
+            y[i] = v;
+        }
+    }
+}
+
+#ifdef HYBRIDLM_AVX2
+/* silu(g) · u for eight entries: with t = e^{−|g|} ≤ 1, silu(g) = g / (1 + t) for g ≥ 0 and
+ * g t / (1 + t) below (e^{−g} itself would overflow for large −g). */
+static inline __m256 swiglu8(__m256 g, __m256 u) {
+    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.f);
+    const __m256 t = exp8(_mm256_sub_ps(zero, _mm256_max_ps(g, _mm256_sub_ps(zero, g))));
+    const __m256 top = _mm256_blendv_ps(_mm256_mul_ps(g, t), g, _mm256_cmp_ps(g, zero, _CMP_GE_OQ));
+    return _mm256_mul_ps(_mm256_div_ps(top, _mm256_add_ps(one, t)), u);
+}
+
+/* tanh(v) for eight entries: sign(v) (1 − t) / (1 + t) with t = e^{−2|v|}. */
+static inline __m256 tanh8(__m256 v) {
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+    const __m256 a = _mm256_andnot_ps(sign, v);
+    const __m256 t = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.f), a));
+    const __m256 m = _mm256_div_ps(_mm256_sub_ps(one, t), _mm256_add_ps(one, t));
+    return _mm256_or_ps(m, _mm256_and_ps(sign, v));
+}
+#endif
+
+static inline float swiglu1(float g, float u) {
+    const float t = expf(-fabsf(g));
+    return (g >= 0.f ? g : g * t) / (1.f + t) * u;
+}
+
+static inline float tanh1(float v) {
+    const float t = expf(-2.f * fabsf(v)), m = (1.f - t) / (1.f + t);
+    return v < 0.f ? -m : m;
+}
+
+/* out [R, n] = silu(g) ⊙ u, rows of g and u ldg and ldu apart. */
+void hybridlm_swiglu(const float *g, int64_t ldg, const float *u, int64_t ldu, int64_t R, int64_t n, float *out) {
+    for (int64_t r = 0; r < R; ++r) {
+        const float *gr = g + r * ldg, *ur = u + r * ldu;
+        float *y = out + r * n;
+        int64_t i = 0;
+#ifdef HYBRIDLM_AVX2
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, swiglu8(_mm256_loadu_ps(gr + i), _mm256_loadu_ps(ur + i)));
+#endif
+        for (; i < n; ++i) y[i] = swiglu1(gr[i], ur[i]);
+    }
+}
+
+/* out [R, n] = GELU-tanh of x [R, n]: ½ x (1 + tanh(c (x + 0.044715 x³))), c = √(2/π). */
+void hybridlm_gelu(const float *x, int64_t R, int64_t n, float *out) {
+    const float c = 0.7978845608028654f, k = 0.044715f;
+    for (int64_t r = 0; r < R; ++r) {
+        const float *xr = x + r * n;
+        float *y = out + r * n;
+        int64_t i = 0;
+#ifdef HYBRIDLM_AVX2
+        const __m256 cv = _mm256_set1_ps(c), kv = _mm256_set1_ps(k), half = _mm256_set1_ps(0.5f),
+                     one = _mm256_set1_ps(1.f);
+        for (; i + 8 <= n; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + i);
+            const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
+            const __m256 inner = _mm256_mul_ps(cv, _mm256_add_ps(v, _mm256_mul_ps(kv, cube)));
+            _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(half, v), _mm256_add_ps(one, tanh8(inner))));
+        }
+#endif
+        for (; i < n; ++i) {
+            const float v = xr[i];
+            y[i] = 0.5f * v * (1.f + tanh1(c * (v + k * (v * v * v))));
+        }
+    }
+}
+
+/* The attention sublayer of block ℓ for R rows: out [R, D] = Attn(LN₁(h)) W_O + b_O, writing
+ * row n of layer ℓ of each row's state (`rows`: see hybridlm_decode_attention_batch). */
+int hybridlm_attention_sublayer(const Block *blk, const Sizes *z, const float *h, int64_t R, const int64_t *rows,
+                                const float *cos, const float *sin, float *out) {
+    const int64_t width = (z->H + 2 * z->Hkv) * z->d;
+    float *r = malloc(sizeof(float) * (size_t)(R * (z->D + width + z->H * z->d)));
+    if (!r) return -1;
+    float *heads = r + R * z->D, *o = heads + R * width;
+    hybridlm_norm(h, R, z->D, blk->rms, blk->eps, blk->g1, blk->b1, r);
+    int failed = product(&blk->qkv, r, R, heads) ||
+                 hybridlm_decode_attention_batch(heads, R, z->H, z->Hkv, z->d, rows, blk->layer, blk->window, cos,
+                                                 sin, blk->scale, o) ||
+                 product(&blk->out, o, R, out);
+    free(r);
+    return failed ? -1 : 0;
+}
+
+/* The MLP sublayer of block ℓ for R rows: out [R, D] = MLP(LN₂(h)). */
+int hybridlm_mlp_sublayer(const Block *blk, const Sizes *z, const float *h, int64_t R, float *out) {
+    const int64_t up = (blk->swiglu ? 2 : 1) * z->d_mlp;
+    float *r = malloc(sizeof(float) * (size_t)(R * (z->D + up + z->d_mlp)));
+    if (!r) return -1;
+    float *pre = r + R * z->D, *post = pre + R * up;
+    hybridlm_norm(h, R, z->D, blk->rms, blk->eps, blk->g2, blk->b2, r);
+    int failed = product(&blk->up, r, R, pre);
+    if (!failed) {
+        if (blk->swiglu)
+            hybridlm_swiglu(pre, up, pre + z->d_mlp, up, R, z->d_mlp, post);
+        else
+            hybridlm_gelu(pre, R, z->d_mlp, post);
+        failed = product(&blk->down, post, R, out);
+    }
+    free(r);
+    return failed ? -1 : 0;
+}
+
+/* L consecutive blocks for R rows, h [R, D] updated in place: h ← h + attention sublayer, then
+ * h ← h + MLP sublayer, block by block. Returns 0, or −1 without scratch memory (h is then
+ * partly advanced: the caller's step has failed). */
+int hybridlm_decode_blocks(const Block *blocks, int64_t L, const Sizes *z, float *h, int64_t R, const int64_t *rows,
+                           const float *cos, const float *sin) {
+    float *a = malloc(sizeof(float) * (size_t)(R * z->D));
+    if (!a) return -1;
+    int failed = 0;
+    for (int64_t l = 0; l < L && !failed; ++l) {
+        failed = hybridlm_attention_sublayer(blocks + l, z, h, R, rows, cos, sin, a);
+        for (int64_t i = 0; !failed && i < R * z->D; ++i) h[i] = h[i] + a[i];
+        failed = failed || hybridlm_mlp_sublayer(blocks + l, z, h, R, a);
+        for (int64_t i = 0; !failed && i < R * z->D; ++i) h[i] = h[i] + a[i];
+    }
+    free(a);
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,205 @@
+"""A token step of the blocks in compiled code (`hybridlm.lm.kernels`, layer.c).
+
+A token step moves a few rows (one new position per sequence) through every block. Its products
+and attention were compiled already; around them PyTorch and Python spent as long again on some
+twenty small operations and calls per block (norms, slices, the activation, residual sums). Here
+a block's rows go through compiled code in one of three ways, by what watches the block:
+
+- nothing: the block joins a run of such blocks, and the whole run is one call;
+- only its residual-stream hook points (`hook_resid_pre`, `hook_attn_out`, `hook_resid_mid`,
+  `hook_mlp_out`, `hook_resid_post`): each sublayer is one call, with those points between them
+  (recording the residual stream, or a control input added to it, keeps the compiled sublayers);
+- a hook point inside a sublayer (a norm's, attention's q … z, the MLP's): the staged path, the
+  parts' own forwards, whose norms, activations, products and attention call the same kernels
+  one at a time with the hook points between.
+
+The three give the same bits: the same kernels in the same order. Everything else (a prefill,
+another dtype or device, autograd, an affine map that does not say how the kernels read it
+(`kernel_product`: `Linear` and `Int4Linear` do), a fork of a state) takes the parts' forwards.
+
+A block's kernel parameters (`kernels.BlockSpec`) hold the addresses of its tensors. They are
+built once and checked on every step against the block's current modules and tensors (identity
+and address), so a replaced weight or module is seen before the kernel could read stale memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from hybridlm.lm import kernels
+from hybridlm.lm.attention import Attention
+from hybridlm.lm.mlp import GeluMLP, SwiGLU
+from hybridlm.lm.norm import LayerNorm, RMSNorm
+from hybridlm.lm.state import KVState, StateBatch, step_rows
+
+_RESIDUAL = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
+
+
+class TokenStep:
+    """One token step's rows as the compiled blocks see them: the kernel, where each row's keys and
+    values lie (`state.step_rows`), the rotary tables, the model's sizes and its blocks' specs."""
+
+    def __init__(self, kernel: kernels.BlockKernel, table: "SpecTable", rows: torch.Tensor, cos, sin) -> None:
+        self.kernel, self.table, self.rows, self.cos, self.sin = kernel, table, rows, cos, sin
+
+    def attention(self, spec: kernels.BlockSpec, h: torch.Tensor) -> torch.Tensor:
+        return self.kernel.attention(spec, self.table.sizes, h, self.rows, self.cos, self.sin)
+
+    def mlp(self, spec: kernels.BlockSpec, h: torch.Tensor) -> torch.Tensor:
+        return self.kernel.mlp(spec, self.table.sizes, h)
+
+    def run(self, first: int, count: int, h: torch.Tensor) -> None:
+        """Blocks first … first + count − 1 (each checked by `SpecTable.spec`), h advanced in place."""
+        address = ctypes.addressof(self.table.specs) + first * ctypes.sizeof(kernels.BlockSpec)
+        self.kernel.blocks(address, count, self.table.sizes, h, self.rows, self.cos, self.sin)
+
+
+def token_step(model, h: torch.Tensor, state, rotary) -> TokenStep | None:
+    """The compiled blocks for this forward's rows, or None: they run where the rows are a token
+    step's (one position per sequence, float32 on the CPU, outside autograd) against a `KVState`
+    or a ragged `StateBatch` whose buffers are float32, and the rotary tables (if any) are too."""
+    kernel = kernels.blocks()
+    if kernel is None or h.shape[1] != 1 or not kernel.takes(h):
+        return None
+    if isinstance(state, StateBatch):
+        rows = state.meta()
+    elif type(state) is KVState:
+        rows = step_rows([state])
+    else:
+        return None
+    if rows is None or rows.shape[1] != h.shape[0]:
+        return None
+    cos = sin = None
+    if rotary is not None:
+        cos, sin = rotary.cos, rotary.sin
+        if cos.dtype != torch.float32 or not (cos.is_cpu and cos.is_contiguous() and sin.is_contiguous()):
+            return None
+    table = model.__dict__.get("_spec_table")
+    if table is None or table.config is not model.config:
+        table = model.__dict__["_spec_table"] = SpecTable(model.config)
+    return TokenStep(kernel, table, rows, cos, sin)
+
+
+def run_blocks(blocks, h: torch.Tensor, pos: torch.Tensor, state, rotary, step: TokenStep | None) -> torch.Tensor:
+    """H⁽ℓ⁾ after the given blocks, in order: runs of unwatched blocks in one call each where `step`
+    allows, every other block through its own forward (compiled sublayers where it allows)."""
+    if step is None:
+        for block in blocks:
+            h = block(h, pos, state, rotary)
+        return h
+    blocks = list(blocks)
+    i, owned = 0, False
+    while i < len(blocks):
+        j = i
+        while j < len(blocks) and not _residual_watched(blocks[j]) and step.table.spec(blocks[j]) is not None:
+            j += 1
+        if j > i and _consecutive(blocks, i, j):
+            if not owned:  # (the run advances h in place: never a tensor a hook may have kept)
+                h, owned = h.contiguous().clone(), True
+            step.run(blocks[i].layer, j - i, h)
+            i = j
+        else:
+            h, owned = blocks[i](h, pos, state, rotary, step), False
+            i += 1
+    return h
+
+
+def _consecutive(blocks, i: int, j: int) -> bool:
+    return all(blocks[k].layer == blocks[i].layer + (k - i) for k in range(i, j))
+
+
+def _residual_watched(block) -> bool:
+    return any(getattr(block, name).fns for name in _RESIDUAL)
+
+
+class SpecTable:
+    """The kernel parameters of a model's blocks, one slot per layer, each built from the block's
+    modules and tensors and rebuilt when any of them changes."""
+
+    def __init__(self, cfg) -> None:
+        self.config = cfg
+        self.sizes = kernels.Sizes(cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.d_head, cfg.d_mlp)
+        self.specs = (kernels.BlockSpec * cfg.n_layer)()
+        self.built: list = [None] * cfg.n_layer  # per layer: (parts, their tensors' addresses, inner hook points)
+
+    def spec(self, block) -> kernels.BlockSpec | None:
+        """The block's spec, or None where its sublayers cannot run compiled: a hook point inside
+        them attached, or a part the kernels do not compute (then its own forward runs)."""
+        parts = _parts(block)
+        if parts is None:
+            return None
+        layer = block.layer
+        built = self.built[layer]
+        if built is None or not _same(built, parts):
+            made = _build(parts)
+            if made is None:
+                return None
+            self.specs[layer] = made[0]
+            built = self.built[layer] = (parts, [t.data_ptr() for t in _tensors(parts)], made[1])
+        if any(point.fns for point in built[2]):
+            return None
+        if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(parts)):
+            return None
+        return self.specs[layer]
+
+
+def _parts(block) -> list | None:
+    """What a block's spec is built from: its modules and tensors in a fixed order (None where a
+    part is not of a kind the kernels compute)."""
+    ln1, attn, ln2, mlp = (block.__dict__.get(name) for name in ("ln1", "attn", "ln2", "mlp"))
+    if type(attn) is not Attention or type(mlp) not in (SwiGLU, GeluMLP):
+        return None
+    up, down = (mlp.W_gate_up, mlp.W_down) if type(mlp) is SwiGLU else (mlp.W_fc, mlp.W_proj)
+    parts = [ln1, attn, ln2, mlp, attn.W_qkv, attn.W_O, up, down]
+    for norm in (ln1, ln2):
+        if type(norm) is LayerNorm:
+            parts += [norm.weight, norm.bias]
+        elif type(norm) is RMSNorm:
+            parts += [norm.weight]
+        else:
+            return None
+    for lin in (attn.W_qkv, attn.W_O, up, down):
+        tensors = getattr(lin, "kernel_tensors", None)
+        tensors = None if tensors is None else tensors()
+        if tensors is None:
+            return None
+        parts += tensors
+    return parts
+
+
+def _tensors(parts: list) -> list:
+    return [t for t in parts if isinstance(t, torch.Tensor)]
+
+
+def _same(built, parts: list) -> bool:
+    """The same modules and tensors as the spec was built from, each tensor still where it was."""
+    before, addresses, _ = built
+    if len(before) != len(parts) or any(a is not b for a, b in zip(before, parts)):
+        return False
+    return all(t.data_ptr() == p for t, p in zip(_tensors(parts), addresses))
+
+
+def _build(parts: list):
+    """(the spec, the block's inner hook points), or None where a tensor is not one the kernels read."""
+    ln1, attn, ln2, mlp, qkv, out, up, down = parts[:8]
+    if type(ln2) is not type(ln1) or ln1.eps != ln2.eps:
+        return None
+    norms = [ln1.weight, getattr(ln1, "bias", None), ln2.weight, getattr(ln2, "bias", None)]
+    if not all(kernels.plain_vector(t, ln1.weight.shape[0]) for t in norms):
+        return None
+    products = [lin.kernel_product() for lin in (qkv, out, up, down)]
+    if any(p is None for p in products):
+        return None
+    spec = kernels.BlockSpec(rms=int(type(ln1) is RMSNorm), swiglu=int(type(mlp) is SwiGLU), layer=attn.layer,
+                             window=attn.window or 0, eps=ln1.eps, scale=attn.scale)
+    spec.g1, spec.b1, spec.g2, spec.b2 = map(kernels.address, norms)
+    spec.qkv, spec.out, spec.up, spec.down = products
+    inner = (ln1.hook_normalized, ln2.hook_normalized, attn.hook_q, attn.hook_k, attn.hook_v,
+             attn.hook_attn_scores, attn.hook_pattern, attn.hook_z, *_mlp_points(mlp))
+    return spec, inner
+
+
+def _mlp_points(mlp) -> tuple:
+    return (mlp.hook_pre, mlp.hook_pre_linear, mlp.hook_post) if type(mlp) is SwiGLU else (mlp.hook_pre, mlp.hook_post)
