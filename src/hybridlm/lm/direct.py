@@ -25,15 +25,18 @@ class _MemberTable(dict):
     """
 
     __slots__ = ("owner",)
+    edits = 0  # changes to any table so far (what the compiled blocks built from may have been replaced)
 
     def __setitem__(self, name, value):
         super().__setitem__(name, value)
+        _MemberTable.edits += 1
         owner = getattr(self, "owner", None)  # (unset while pickle or deepcopy refills the table)
         if owner is not None:
             owner.__dict__[name] = value
 
     def __delitem__(self, name):
         super().__delitem__(name)
+        _MemberTable.edits += 1
         owner = getattr(self, "owner", None)
         if owner is not None:
             owner.__dict__.pop(name, None)
@@ -49,6 +52,12 @@ class _MemberTable(dict):
         raise TypeError("change a module's members one at a time (setattr, del, or table[name] = value)")
 
     update = setdefault = popitem = clear = __ior__ = _unsupported
+
+
+def member_edits() -> int:
+    """How many times a member of any direct-call module was set or removed (a counter: unchanged
+    means every such module still has the submodules, parameters and buffers it had)."""
+    return _MemberTable.edits
 
 
 def _mirror_members(module: nn.Module) -> None:

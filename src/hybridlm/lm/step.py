@@ -30,6 +30,7 @@ import torch
 
 from hybridlm.lm import kernels
 from hybridlm.lm.attention import Attention
+from hybridlm.lm.direct import member_edits
 from hybridlm.lm.mlp import GeluMLP, SwiGLU
 from hybridlm.lm.norm import LayerNorm, RMSNorm
 from hybridlm.lm.state import KVState, StateBatch, step_rows
@@ -122,27 +123,41 @@ class SpecTable:
         self.config = cfg
         self.sizes = kernels.Sizes(cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.d_head, cfg.d_mlp)
         self.specs = (kernels.BlockSpec * cfg.n_layer)()
-        self.built: list = [None] * cfg.n_layer  # per layer: (parts, their tensors' addresses, inner hook points)
+        # per layer: (block, member_edits(), parts, their tensors, the tensors' addresses, inner hook points)
+        self.built: list = [None] * cfg.n_layer
 
     def spec(self, block) -> kernels.BlockSpec | None:
         """The block's spec, or None where its sublayers cannot run compiled: a hook point inside
         them attached, or a part the kernels do not compute (then its own forward runs)."""
-        parts = _parts(block)
-        if parts is None:
-            return None
         layer = block.layer
         built = self.built[layer]
-        if built is None or not _same(built, parts):
-            made = _build(parts)
+        if built is None or not self._still(built, block):
+            parts = _parts(block)
+            made = None if parts is None else _build(parts)
             if made is None:
+                self.built[layer] = None
                 return None
+            tensors = _tensors(parts)
             self.specs[layer] = made[0]
-            built = self.built[layer] = (parts, [t.data_ptr() for t in _tensors(parts)], made[1])
-        if any(point.fns for point in built[2]):
+            built = self.built[layer] = (block, member_edits(), parts, tensors, _addresses(tensors), made[1])
+        if any(point.fns for point in built[5]):
             return None
-        if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(parts)):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in built[3]):
             return None
         return self.specs[layer]
+
+    @staticmethod
+    def _still(built, block) -> bool:
+        """Whether the block still has the parts its spec was built from, each tensor where it was.
+        No member of a direct-call module set since (`member_edits`) means the same modules and
+        tensor objects; a tensor's storage may still have been swapped (`.data =`, `.to()`)."""
+        if built[0] is not block:
+            return False
+        if built[1] != member_edits():
+            parts = _parts(block)
+            if parts is None or len(parts) != len(built[2]) or any(a is not b for a, b in zip(parts, built[2])):
+                return False
+        return _addresses(built[3]) == built[4]
 
 
 def _parts(block) -> list | None:
@@ -173,12 +188,8 @@ def _tensors(parts: list) -> list:
     return [t for t in parts if isinstance(t, torch.Tensor)]
 
 
-def _same(built, parts: list) -> bool:
-    """The same modules and tensors as the spec was built from, each tensor still where it was."""
-    before, addresses, _ = built
-    if len(before) != len(parts) or any(a is not b for a, b in zip(before, parts)):
-        return False
-    return all(t.data_ptr() == p for t, p in zip(_tensors(parts), addresses))
+def _addresses(tensors: list) -> tuple:
+    return tuple(map(torch.Tensor.data_ptr, tensors))
 
 
 def _build(parts: list):
