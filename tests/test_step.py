@@ -209,3 +209,30 @@ def test_a_prefill_and_autograd_keep_pytorchs_path(monkeypatch):
     out = m(torch.tensor([[3]]))
     out[0, -1, 0].backward()
     assert not calls and m.blocks[0].attn.W_qkv.weight.grad is not None
+
+
+@requires_kernel
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_recorder_of_the_residual_stream_keeps_the_blocks_whole(family, monkeypatch):
+    """Hooks that only observe the residual stream (the recorder's) get the states of a whole
+    compiled run afterwards: the same records, bit for bit and in the same order, as an ordinary
+    hook between the compiled sublayers sees, and the engine's ragged batch keeps one call."""
+    from hybridlm.lm.capture import Recorder
+
+    m = model_of(family, "float32")
+    calls = []
+    monkeypatch.setattr(kernels.BlockKernel, "blocks",
+                        lambda self, *a, _f=kernels.BlockKernel.blocks: calls.append(a[1]) or _f(self, *a))
+    seen = []
+    plain = {f"blocks.{layer}.{name}": (lambda t, hook: seen.append((hook.name, t.clone())))
+             for layer in range(4) for name in ("hook_resid_pre", "hook_attn_out", "hook_resid_mid",
+                                                "hook_mlp_out", "hook_resid_post")}
+    logits, _ = trajectory(m, plain)
+    assert not calls  # (ordinary hooks: sublayer by sublayer)
+    recorder = Recorder(m, lambda n: "resid" in n or n.endswith(("attn_out", "mlp_out")), decode_only=True)
+    with recorder:
+        recorded, _ = trajectory(m)
+    assert calls and max(calls) == 4 and torch.equal(recorded, logits)
+    records = [(k.rsplit("@", 1)[0], v) for k, v in recorder.records.items() if not k.endswith(":pos")]
+    assert [name for name, _ in records] == [name for name, _ in seen]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(records, seen))

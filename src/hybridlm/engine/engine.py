@@ -35,6 +35,7 @@ from hybridlm.engine.prefill import ContextPolicy, PrefixCache, inject, prefill,
 from hybridlm.engine.sequence import ArcState
 from hybridlm.engine.system import Priority
 from hybridlm.errors import InputError
+from hybridlm.lm.hooks import observing
 
 NEG_INF = float("-inf")
 
@@ -438,7 +439,7 @@ def _on_rows(fn, members: set):
         h[sel] = out.to(h.dtype)
         return h
 
-    return on_rows
+    return observing(on_rows) if getattr(fn, "observes", False) else on_rows
 
 
 def _device(model):

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from hybridlm.errors import InputError
-from hybridlm.lm.hooks import HookPoint
+from hybridlm.lm.hooks import HookPoint, observing
 
 _LAYER = re.compile(r"^blocks\.(\d+)\.")
 _ATTENTION_MAPS = ("hook_pattern", "hook_attn_scores")  # [B, head, query pos, key pos]
@@ -77,6 +77,7 @@ class Recorder:
         """The (hook point, fn) pairs of this recorder (what the engine attaches to its sequence's rows)."""
         return [(n, self._keep) for n in self.names]
 
+    @observing
     def _keep(self, x: torch.Tensor, hook: HookPoint) -> None:
         name, pos = hook.name, hook.ctx.pos
         rows = x.shape[2] if x.dim() == 4 and name.endswith(_ATTENTION_MAPS) else x.shape[1] if x.dim() >= 2 else 1

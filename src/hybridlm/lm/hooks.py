@@ -26,6 +26,17 @@ from torch import nn
 HookFn = Callable[[torch.Tensor, "HookPoint"], Optional[torch.Tensor]]
 
 
+def observing(fn: HookFn) -> HookFn:
+    """Mark a hook as one that only looks: it returns None and changes nothing the model reads.
+    Where only such hooks watch the residual stream of a token step, the compiled blocks run
+    whole and hand them the states afterwards, in the order the hook points would have, with
+    the same bits and `hook.ctx` (hybridlm.lm.step); an unmarked hook runs between the compiled
+    sublayers, since it may replace the state. (A marked hook that returned a tensor would find
+    it ignored there.)"""
+    fn.observes = True
+    return fn
+
+
 @dataclass
 class HookContext:
     """Where the current forward call sits.
@@ -63,6 +74,11 @@ class HookPoint(nn.Module):
     @property
     def active(self) -> bool:
         return bool(self.fns)
+
+    @property
+    def observed(self) -> bool:
+        """Whether hooks are attached and every one of them only observes (see `observing`)."""
+        return bool(self.fns) and all(getattr(fn, "observes", False) for fn in self.fns)
 
     def extra_repr(self) -> str:
         return self.name

@@ -5,10 +5,12 @@ and attention were compiled already; around them PyTorch and Python spent as lon
 twenty small operations and calls per block (norms, slices, the activation, residual sums). Here
 a block's rows go through compiled code in one of three ways, by what watches the block:
 
-- nothing: the block joins a run of such blocks, and the whole run is one call;
-- only its residual-stream hook points (`hook_resid_pre`, `hook_attn_out`, `hook_resid_mid`,
-  `hook_mlp_out`, `hook_resid_post`): each sublayer is one call, with those points between them
-  (recording the residual stream, or a control input added to it, keeps the compiled sublayers);
+- nothing, or only hooks that observe its residual stream (`hooks.observing`: the recorder's):
+  the block joins a run of such blocks, the whole run is one call, and the observers get the
+  run's residual states afterwards, in the order the hook points would have handed them out;
+- other hooks on its residual-stream points (`hook_resid_pre`, `hook_attn_out`, `hook_resid_mid`,
+  `hook_mlp_out`, `hook_resid_post`), which may replace the state (a control input added to
+  it): each sublayer is one call, with those points between them;
 - a hook point inside a sublayer (a norm's, attention's q … z, the MLP's): the staged path, the
   parts' own forwards, whose norms, activations, products and attention call the same kernels
   one at a time with the hook points between.
@@ -51,10 +53,11 @@ class TokenStep:
     def mlp(self, spec: kernels.BlockSpec, h: torch.Tensor) -> torch.Tensor:
         return self.kernel.mlp(spec, self.table.sizes, h)
 
-    def run(self, first: int, count: int, h: torch.Tensor) -> None:
-        """Blocks first … first + count − 1 (each checked by `SpecTable.spec`), h advanced in place."""
+    def run(self, first: int, count: int, h: torch.Tensor, taps: torch.Tensor | None = None) -> None:
+        """Blocks first … first + count − 1 (each checked by `SpecTable.spec`), h advanced in place;
+        taps ([count, 5, *h.shape] or None) receive their residual states."""
         address = ctypes.addressof(self.table.specs) + first * ctypes.sizeof(kernels.BlockSpec)
-        self.kernel.blocks(address, count, self.table.sizes, h, self.rows, self.cos, self.sin)
+        self.kernel.blocks(address, count, self.table.sizes, h, self.rows, self.cos, self.sin, taps)
 
 
 def token_step(model, h: torch.Tensor, state, rotary) -> TokenStep | None:
@@ -84,8 +87,10 @@ def token_step(model, h: torch.Tensor, state, rotary) -> TokenStep | None:
 
 
 def run_blocks(blocks, h: torch.Tensor, pos: torch.Tensor, state, rotary, step: TokenStep | None) -> torch.Tensor:
-    """H⁽ℓ⁾ after the given blocks, in order: runs of unwatched blocks in one call each where `step`
-    allows, every other block through its own forward (compiled sublayers where it allows)."""
+    """H⁽ℓ⁾ after the given blocks, in order: runs of blocks in one call each where `step` allows
+    (no hook inside them, and on their residual stream only hooks that observe, which get the
+    run's residual states afterwards), every other block through its own forward (compiled
+    sublayers where it allows)."""
     if step is None:
         for block in blocks:
             h = block(h, pos, state, rotary)
@@ -93,13 +98,22 @@ def run_blocks(blocks, h: torch.Tensor, pos: torch.Tensor, state, rotary, step: 
     blocks = list(blocks)
     i, owned = 0, False
     while i < len(blocks):
-        j = i
-        while j < len(blocks) and not _residual_watched(blocks[j]) and step.table.spec(blocks[j]) is not None:
+        j, observed = i, False
+        while j < len(blocks) and step.table.spec(blocks[j]) is not None:
+            points = [getattr(blocks[j], name) for name in _RESIDUAL]
+            if any(p.fns and not p.observed for p in points):
+                break
+            observed |= any(p.fns for p in points)
             j += 1
         if j > i and _consecutive(blocks, i, j):
             if not owned:  # (the run advances h in place: never a tensor a hook may have kept)
                 h, owned = h.contiguous().clone(), True
-            step.run(blocks[i].layer, j - i, h)
+            taps = h.new_empty(j - i, len(_RESIDUAL), *h.shape) if observed else None
+            step.run(blocks[i].layer, j - i, h, taps)
+            if taps is not None:
+                for block, states in zip(blocks[i:j], taps):
+                    for name, state_ in zip(_RESIDUAL, states):
+                        getattr(block, name)(state_)  # (observers only: what they return is not used)
             i = j
         else:
             h, owned = blocks[i](h, pos, state, rotary, step), False
@@ -109,10 +123,6 @@ def run_blocks(blocks, h: torch.Tensor, pos: torch.Tensor, state, rotary, step: 
 
 def _consecutive(blocks, i: int, j: int) -> bool:
     return all(blocks[k].layer == blocks[i].layer + (k - i) for k in range(i, j))
-
-
-def _residual_watched(block) -> bool:
-    return any(getattr(block, name).fns for name in _RESIDUAL)
 
 
 class SpecTable:

@@ -271,7 +271,7 @@ class BlockKernel:
         self._gelu = _function(lib.hybridlm_gelu, [p, i64, i64, p])
         self._attention = _function(lib.hybridlm_attention_sublayer, [p, p, p, i64, p, p, p, p], ctypes.c_int)
         self._mlp = _function(lib.hybridlm_mlp_sublayer, [p, p, p, i64, p], ctypes.c_int)
-        self._blocks = _function(lib.hybridlm_decode_blocks, [p, i64, p, p, i64, p, p, p], ctypes.c_int)
+        self._blocks = _function(lib.hybridlm_decode_blocks, [p, i64, p, p, i64, p, p, p, p], ctypes.c_int)
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
@@ -325,11 +325,13 @@ class BlockKernel:
             raise MemoryError("MLP sublayer: no scratch memory")
         return out
 
-    def blocks(self, specs: int, count: int, sizes: Sizes, h: torch.Tensor, rows: torch.Tensor, cos, sin) -> None:
+    def blocks(self, specs: int, count: int, sizes: Sizes, h: torch.Tensor, rows: torch.Tensor, cos, sin,
+               taps: torch.Tensor | None = None) -> None:
         """`count` consecutive blocks (their specs from address `specs` on) for the rows h [R, 1, D],
-        contiguous, advanced in place."""
+        contiguous, advanced in place; taps ([count, 5, R, 1, D] or None) receive each block's
+        residual states (h entering, attention output, h between, MLP output, h leaving)."""
         if self._blocks(specs, count, ctypes.addressof(sizes), h.data_ptr(), rows.shape[1], rows.data_ptr(),
-                        address(cos), address(sin)):
+                        address(cos), address(sin), address(taps)):
             raise MemoryError("decode blocks: no scratch memory")
 
 

@@ -204,18 +204,25 @@ int hybridlm_mlp_sublayer(const Block *blk, const Sizes *z, const float *h, int6
 }
 
 /* L consecutive blocks for R rows, h [R, D] updated in place: h ← h + attention sublayer, then
- * h ← h + MLP sublayer, block by block. Returns 0, or −1 without scratch memory (h is then
- * partly advanced: the caller's step has failed). */
+ * h ← h + MLP sublayer, block by block. taps (NULL: none) [L, 5, R, D] receives each block's
+ * residual states as its hook points see them: h entering, the attention sublayer's output, h
+ * between the sublayers, the MLP sublayer's output, h leaving. Returns 0, or −1 without scratch
+ * memory (h is then partly advanced: the caller's step has failed). */
 int hybridlm_decode_blocks(const Block *blocks, int64_t L, const Sizes *z, float *h, int64_t R, const int64_t *rows,
-                           const float *cos, const float *sin) {
-    float *a = malloc(sizeof(float) * (size_t)(R * z->D));
+                           const float *cos, const float *sin, float *taps) {
+    const size_t bytes = sizeof(float) * (size_t)(R * z->D);
+    float *a = malloc(bytes);
     if (!a) return -1;
     int failed = 0;
     for (int64_t l = 0; l < L && !failed; ++l) {
+        float *tap = taps ? taps + l * 5 * R * z->D : NULL;
+        if (tap) memcpy(tap, h, bytes);
         failed = hybridlm_attention_sublayer(blocks + l, z, h, R, rows, cos, sin, a);
         for (int64_t i = 0; !failed && i < R * z->D; ++i) h[i] = h[i] + a[i];
+        if (tap && !failed) memcpy(tap + R * z->D, a, bytes), memcpy(tap + 2 * R * z->D, h, bytes);
         failed = failed || hybridlm_mlp_sublayer(blocks + l, z, h, R, a);
         for (int64_t i = 0; !failed && i < R * z->D; ++i) h[i] = h[i] + a[i];
+        if (tap && !failed) memcpy(tap + 3 * R * z->D, a, bytes), memcpy(tap + 4 * R * z->D, h, bytes);
     }
     free(a);
     return failed ? -1 : 0;
