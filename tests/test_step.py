@@ -140,7 +140,7 @@ def check_blocks(family, precision, monkeypatch):
     m = model_of(family, precision)
     calls = []
     monkeypatch.setattr(kernels.BlockKernel, "blocks",
-                        lambda self, *a, _f=kernels.BlockKernel.blocks: calls.append(a[1]) or _f(self, *a))
+                        lambda self, *a, _f=kernels.BlockKernel.blocks, **k: calls.append(a[1]) or _f(self, *a, **k))
     fast, fast_kv = trajectory(m)
     assert calls and max(calls) == 4  # one call for the four blocks
     inner = "ln1.hook_normalized" if family != "llama" else "mlp.hook_pre_linear"
@@ -222,7 +222,7 @@ def test_a_recorder_of_the_residual_stream_keeps_the_blocks_whole(family, monkey
     m = model_of(family, "float32")
     calls = []
     monkeypatch.setattr(kernels.BlockKernel, "blocks",
-                        lambda self, *a, _f=kernels.BlockKernel.blocks: calls.append(a[1]) or _f(self, *a))
+                        lambda self, *a, _f=kernels.BlockKernel.blocks, **k: calls.append(a[1]) or _f(self, *a, **k))
     seen = []
     plain = {f"blocks.{layer}.{name}": (lambda t, hook: seen.append((hook.name, t.clone())))
              for layer in range(4) for name in ("hook_resid_pre", "hook_attn_out", "hook_resid_mid",
@@ -236,3 +236,36 @@ def test_a_recorder_of_the_residual_stream_keeps_the_blocks_whole(family, monkey
     records = [(k.rsplit("@", 1)[0], v) for k, v in recorder.records.items() if not k.endswith(":pos")]
     assert [name for name, _ in records] == [name for name, _ in seen]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(records, seen))
+
+
+def records(m, observe: bool):
+    """Logits and a recorder's records (every hook point of the blocks, token steps only), its
+    hooks marked as observing (the compiled run) or wrapped unmarked (the staged parts)."""
+    from hybridlm.lm.capture import Recorder
+
+    rec = Recorder(m, lambda n: n.startswith("blocks."), decode_only=True)
+    if not observe:
+        keep = rec._keep
+        rec.hooks = lambda model=None: [(n, lambda x, hook: keep(x, hook)) for n in rec.names]
+    with rec:
+        logits, _ = trajectory(m)
+    return logits, rec.records
+
+
+@requires_kernel
+@pytest.mark.parametrize("precision", ["float32", "int4"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_recording_every_activation_keeps_the_blocks_whole(family, precision, monkeypatch):
+    """A recorder of every hook point of the blocks (its hooks observe) leaves the compiled run
+    whole, and records exactly what the staged parts hand out: the same names in the same order,
+    the same shapes and bits, the same positions (a ragged batch's attention row by row)."""
+    m = model_of(family, precision)
+    calls = []
+    monkeypatch.setattr(kernels.BlockKernel, "blocks",
+                        lambda self, *a, _f=kernels.BlockKernel.blocks, **k: calls.append(a[1]) or _f(self, *a, **k))
+    staged_logits, staged = records(m, observe=False)
+    assert not calls
+    logits, recorded = records(m, observe=True)
+    assert calls and max(calls) == 4 and torch.equal(logits, staged_logits)
+    assert list(recorded) == list(staged)
+    assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(recorded.values(), staged.values()))

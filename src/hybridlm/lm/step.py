@@ -5,13 +5,14 @@ and attention were compiled already; around them PyTorch and Python spent as lon
 twenty small operations and calls per block (norms, slices, the activation, residual sums). Here
 a block's rows go through compiled code in one of three ways, by what watches the block:
 
-- nothing, or only hooks that observe its residual stream (`hooks.observing`: the recorder's):
-  the block joins a run of such blocks, the whole run is one call, and the observers get the
-  run's residual states afterwards, in the order the hook points would have handed them out;
+- nothing, or only hooks that observe (`hooks.observing`: the recorder's): the block joins a run
+  of such blocks, the whole run is one call, and the observers get the states their points see
+  afterwards, written out by the kernel, in the order and shapes the parts' own forwards would
+  have handed them out (a ragged batch's attention states row by row);
 - other hooks on its residual-stream points (`hook_resid_pre`, `hook_attn_out`, `hook_resid_mid`,
   `hook_mlp_out`, `hook_resid_post`), which may replace the state (a control input added to
   it): each sublayer is one call, with those points between them;
-- a hook point inside a sublayer (a norm's, attention's q … z, the MLP's): the staged path, the
+- another hook inside a sublayer (a norm's, attention's q … z, the MLP's): the staged path, the
   parts' own forwards, whose norms, activations, products and attention call the same kernels
   one at a time with the hook points between.
 
@@ -53,11 +54,12 @@ class TokenStep:
     def mlp(self, spec: kernels.BlockSpec, h: torch.Tensor) -> torch.Tensor:
         return self.kernel.mlp(spec, self.table.sizes, h)
 
-    def run(self, first: int, count: int, h: torch.Tensor, taps: torch.Tensor | None = None) -> None:
-        """Blocks first … first + count − 1 (each checked by `SpecTable.spec`), h advanced in place;
-        taps ([count, 5, *h.shape] or None) receive their residual states."""
+    def run(self, first: int, count: int, h: torch.Tensor, taps: torch.Tensor | None = None,
+            inner: bool = False) -> None:
+        """Blocks first … first + count − 1 (each checked by `SpecTable.watch`), h advanced in place;
+        taps (None, or `tap_layout` floats per block) receive the states their hook points see."""
         address = ctypes.addressof(self.table.specs) + first * ctypes.sizeof(kernels.BlockSpec)
-        self.kernel.blocks(address, count, self.table.sizes, h, self.rows, self.cos, self.sin, taps)
+        self.kernel.blocks(address, count, self.table.sizes, h, self.rows, self.cos, self.sin, taps, inner)
 
 
 def token_step(model, h: torch.Tensor, state, rotary) -> TokenStep | None:
@@ -88,9 +90,8 @@ def token_step(model, h: torch.Tensor, state, rotary) -> TokenStep | None:
 
 def run_blocks(blocks, h: torch.Tensor, pos: torch.Tensor, state, rotary, step: TokenStep | None) -> torch.Tensor:
     """H⁽ℓ⁾ after the given blocks, in order: runs of blocks in one call each where `step` allows
-    (no hook inside them, and on their residual stream only hooks that observe, which get the
-    run's residual states afterwards), every other block through its own forward (compiled
-    sublayers where it allows)."""
+    (no hook on them but hooks that observe, which get the run's states afterwards), every other
+    block through its own forward (compiled sublayers where it allows)."""
     if step is None:
         for block in blocks:
             h = block(h, pos, state, rotary)
@@ -98,22 +99,21 @@ def run_blocks(blocks, h: torch.Tensor, pos: torch.Tensor, state, rotary, step: 
     blocks = list(blocks)
     i, owned = 0, False
     while i < len(blocks):
-        j, observed = i, False
-        while j < len(blocks) and step.table.spec(blocks[j]) is not None:
-            points = [getattr(blocks[j], name) for name in _RESIDUAL]
-            if any(p.fns and not p.observed for p in points):
+        j, watched = i, 0
+        while j < len(blocks):
+            level = step.table.watch(blocks[j])
+            if level is None:
                 break
-            observed |= any(p.fns for p in points)
-            j += 1
+            watched, j = max(watched, level), j + 1
         if j > i and _consecutive(blocks, i, j):
             if not owned:  # (the run advances h in place: never a tensor a hook may have kept)
                 h, owned = h.contiguous().clone(), True
-            taps = h.new_empty(j - i, len(_RESIDUAL), *h.shape) if observed else None
-            step.run(blocks[i].layer, j - i, h, taps)
-            if taps is not None:
-                for block, states in zip(blocks[i:j], taps):
-                    for name, state_ in zip(_RESIDUAL, states):
-                        getattr(block, name)(state_)  # (observers only: what they return is not used)
+            layout = tap_layout(step.table.config, [int(n) for n in step.rows[2]]) if watched else None
+            taps = h.new_empty((j - i) * layout[-1]) if watched else None
+            step.run(blocks[i].layer, j - i, h, taps, inner=watched == 2)
+            if watched:
+                for block, tap in zip(blocks[i:j], taps.view(j - i, -1)):
+                    _replay(block, tap, layout, watched == 2, pos, isinstance(state, StateBatch))
             i = j
         else:
             h, owned = blocks[i](h, pos, state, rotary, step), False
@@ -125,6 +125,81 @@ def _consecutive(blocks, i: int, j: int) -> bool:
     return all(blocks[k].layer == blocks[i].layer + (k - i) for k in range(i, j))
 
 
+# The states a block's hook points see, in the order they see them, as layer.c lays them out in a
+# block's taps (its tap_offsets).
+_TAPS = ("resid_pre", "xhat1", "heads", "scores", "pattern", "z", "attn_out", "resid_mid", "xhat2", "pre", "post",
+         "mlp_out", "resid_post")
+
+
+def tap_layout(cfg, n: list[int]) -> list[int]:
+    """Offsets (floats) of each state of `_TAPS` in a block's taps, and the end, for rows at lengths n."""
+    R, D, H, H_kv, d = len(n), cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.d_head
+    keys = sum(H * (n_b + 1) for n_b in n)
+    up = (2 if cfg.mlp == "swiglu" else 1) * cfg.d_mlp
+    sizes = [R * D, R * D, R * (H + 2 * H_kv) * d, keys, keys, R * H * d, R * D, R * D, R * D, R * up,
+             R * cfg.d_mlp, R * D, R * D]
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    return offsets
+
+
+def _replay(block, tap: torch.Tensor, layout: list[int], inner: bool, pos: torch.Tensor, ragged: bool) -> None:
+    """Hand a compiled block's states to its observers, in the order and shapes its own forward
+    would (a ragged batch's attention states row by row, with `ctx.pos` and `ctx.rows` that row's)."""
+    attn = block.attn
+    part = dict(zip(_TAPS, (tap[a:b] for a, b in zip(layout, layout[1:]))))
+    D = block.ln1.weight.shape[0]
+    R = part["resid_pre"].numel() // D
+    rows = lambda name, *shape: part[name].view(R, 1, *shape)  # noqa: E731
+    block.hook_resid_pre(rows("resid_pre", D))
+    if inner:
+        block.ln1.hook_normalized(rows("xhat1", D))
+        H, H_kv, d = attn.n_head, attn.n_kv_head, attn.d_head
+        heads, z = rows("heads", H + 2 * H_kv, d), rows("z", H, d)
+        if ragged:
+            ctx = attn.hook_z.ctx
+            outer_pos, outer_rows = ctx.pos, ctx.rows
+            start = 0
+            try:
+                for b in range(R):
+                    ctx.pos, ctx.rows = pos[b], None if outer_rows is None else [outer_rows[b]]
+                    keys = int(pos[b, -1]) + 1
+                    S, A = (part[name][start : start + H * keys].view(1, H, 1, keys) for name in ("scores", "pattern"))
+                    _attention_states(attn, heads[b : b + 1], S, A, z[b : b + 1])
+                    start += H * keys
+            finally:
+                ctx.pos, ctx.rows = outer_pos, outer_rows
+        else:
+            keys = part["scores"].numel() // (R * H)
+            S, A = (part[name].view(R, H, 1, keys) for name in ("scores", "pattern"))
+            _attention_states(attn, heads, S, A, z)
+    block.hook_attn_out(rows("attn_out", D))
+    block.hook_resid_mid(rows("resid_mid", D))
+    if inner:
+        mlp = block.mlp
+        block.ln2.hook_normalized(rows("xhat2", D))
+        pre = part["pre"].view(R, 1, -1)
+        if type(mlp) is SwiGLU:
+            mlp.hook_pre(pre[..., : mlp.d_mlp])
+            mlp.hook_pre_linear(pre[..., mlp.d_mlp :])
+        else:
+            mlp.hook_pre(pre)
+        mlp.hook_post(part["post"].view(R, 1, -1))
+    block.hook_mlp_out(rows("mlp_out", D))
+    block.hook_resid_post(rows("resid_post", D))
+
+
+def _attention_states(attn, heads, S, A, z) -> None:
+    H, H_kv = attn.n_head, attn.n_kv_head
+    attn.hook_q(heads[:, :, :H])
+    attn.hook_k(heads[:, :, H : H + H_kv])
+    attn.hook_v(heads[:, :, H + H_kv :])
+    attn.hook_attn_scores(S)
+    attn.hook_pattern(A)
+    attn.hook_z(z)
+
+
 class SpecTable:
     """The kernel parameters of a model's blocks, one slot per layer, each built from the block's
     modules and tensors and rebuilt when any of them changes."""
@@ -133,12 +208,35 @@ class SpecTable:
         self.config = cfg
         self.sizes = kernels.Sizes(cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.d_head, cfg.d_mlp)
         self.specs = (kernels.BlockSpec * cfg.n_layer)()
-        # per layer: (block, member_edits(), parts, their tensors, the tensors' addresses, inner hook points)
+        # per layer: (block, member_edits(), parts, their tensors, the tensors' addresses,
+        # the hook points inside the sublayers, those on the residual stream)
         self.built: list = [None] * cfg.n_layer
 
     def spec(self, block) -> kernels.BlockSpec | None:
         """The block's spec, or None where its sublayers cannot run compiled: a hook point inside
         them attached, or a part the kernels do not compute (then its own forward runs)."""
+        built = self._entry(block)
+        if built is None or any(point.fns for point in built[5]):
+            return None
+        return self.specs[block.layer]
+
+    def watch(self, block) -> int | None:
+        """How a run of whole blocks may take this one: None where it cannot (a part the kernels do
+        not compute, or a hook attached that may replace a state), 0 where nothing watches it, 1
+        where hooks that observe watch its residual stream only, 2 where they watch inside too."""
+        built = self._entry(block)
+        if built is None:
+            return None
+        level = 0
+        for points, deep in ((built[6], 1), (built[5], 2)):
+            for point in points:
+                if point.fns:
+                    if not point.observed:
+                        return None
+                    level = deep
+        return level
+
+    def _entry(self, block):
         layer = block.layer
         built = self.built[layer]
         if built is None or not self._still(built, block):
@@ -149,12 +247,11 @@ class SpecTable:
                 return None
             tensors = _tensors(parts)
             self.specs[layer] = made[0]
-            built = self.built[layer] = (block, member_edits(), parts, tensors, _addresses(tensors), made[1])
-        if any(point.fns for point in built[5]):
-            return None
+            residual = tuple(getattr(block, name) for name in _RESIDUAL)
+            built = self.built[layer] = (block, member_edits(), parts, tensors, _addresses(tensors), made[1], residual)
         if torch.is_grad_enabled() and any(t.requires_grad for t in built[3]):
             return None
-        return self.specs[layer]
+        return built
 
     @staticmethod
     def _still(built, block) -> bool:
@@ -177,7 +274,7 @@ def _parts(block) -> list | None:
     if type(attn) is not Attention or type(mlp) not in (SwiGLU, GeluMLP):
         return None
     up, down = (mlp.W_gate_up, mlp.W_down) if type(mlp) is SwiGLU else (mlp.W_fc, mlp.W_proj)
-    parts = [ln1, attn, ln2, mlp, attn.W_qkv, attn.W_O, up, down]
+    parts = [ln1, attn, ln2, mlp, attn.W_qkv, attn.W_O, up, down, *(getattr(block, name) for name in _RESIDUAL)]
     for norm in (ln1, ln2):
         if type(norm) is LayerNorm:
             parts += [norm.weight, norm.bias]

@@ -164,7 +164,7 @@ class DecodeAttention:
         self._scores = _function(lib.hybridlm_attention_scores,
                                  [p, p, p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, f32, p], ctypes.c_int)
         self._batch = _function(lib.hybridlm_decode_attention_batch,
-                                [p, i64, i64, i64, i64, p, i64, i64, p, p, f32, p], ctypes.c_int)
+                                [p, i64, i64, i64, i64, p, i64, i64, p, p, f32, p, p, p], ctypes.c_int)
         self._fork = _function(lib.hybridlm_fork_attention,
                                [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, f32, p, p, p], ctypes.c_int)
         self._pattern = _function(lib.hybridlm_attention_pattern, [p, i64, i64, i64, p])
@@ -191,7 +191,7 @@ class DecodeAttention:
         out = heads.new_empty(B, 1, H, d)
         if self._batch(heads.data_ptr(), B, H, n_kv_head, d, rows.data_ptr(), layer, window or 0,
                        None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
-                       scale, out.data_ptr()):
+                       scale, out.data_ptr(), None, None):
             raise MemoryError("decode attention: no memory for the scores of a batch")
         return out
 
@@ -271,7 +271,7 @@ class BlockKernel:
         self._gelu = _function(lib.hybridlm_gelu, [p, i64, i64, p])
         self._attention = _function(lib.hybridlm_attention_sublayer, [p, p, p, i64, p, p, p, p], ctypes.c_int)
         self._mlp = _function(lib.hybridlm_mlp_sublayer, [p, p, p, i64, p], ctypes.c_int)
-        self._blocks = _function(lib.hybridlm_decode_blocks, [p, i64, p, p, i64, p, p, p, p], ctypes.c_int)
+        self._blocks = _function(lib.hybridlm_decode_blocks, [p, i64, p, p, i64, p, p, p, p, i64], ctypes.c_int)
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
@@ -326,12 +326,13 @@ class BlockKernel:
         return out
 
     def blocks(self, specs: int, count: int, sizes: Sizes, h: torch.Tensor, rows: torch.Tensor, cos, sin,
-               taps: torch.Tensor | None = None) -> None:
+               taps: torch.Tensor | None = None, inner: bool = False) -> None:
         """`count` consecutive blocks (their specs from address `specs` on) for the rows h [R, 1, D],
-        contiguous, advanced in place; taps ([count, 5, R, 1, D] or None) receive each block's
-        residual states (h entering, attention output, h between, MLP output, h leaving)."""
+        contiguous, advanced in place. taps (None: none) receive the states the blocks' hook points
+        see, block after block in layer.c's layout (`hybridlm.lm.step.tap_layout`): the residual
+        stream's alone, or with `inner` every one."""
         if self._blocks(specs, count, ctypes.addressof(sizes), h.data_ptr(), rows.shape[1], rows.data_ptr(),
-                        address(cos), address(sin), address(taps)):
+                        address(cos), address(sin), address(taps), int(inner)):
             raise MemoryError("decode blocks: no scratch memory")
 
 

@@ -151,16 +151,27 @@ enum { PARALLEL_WORK = 262144 }; /* B·H·keys·d above which the heads are spli
 /* One query head of one sequence against c ≥ 1 keys: q_in rotated, its scores against the c − 1
  * keys from K and the last key k_last, their softmax, and the weighted sum of the values from V
  * and v_last, into out [d] (the last key and value are K + (c − 1)·d and V + (c − 1)·d where the
- * rows are one block; a fork's own row stands apart). Returns 0, or −1 without scratch memory. */
+ * rows are one block; a fork's own row stands apart from the state it continues). S and A (NULL:
+ * not wanted) receive the row of scores and the pattern as the staged step forms them, start + c
+ * entries each (−∞ and 0 before `start`). Returns 0, or −1 without scratch memory. */
 static int attend(const float *q_in, const float *cos, const float *sin, const float *K, const float *V,
-                  const float *k_last, const float *v_last, int64_t d, int64_t c, float scale, float *out) {
+                  const float *k_last, const float *v_last, int64_t d, int64_t c, float scale, float *out,
+                  int64_t start, float *S, float *A) {
     float *scratch = malloc(sizeof(float) * (size_t)(c + d));
     if (!scratch) return -1;
     float *q = scratch + c;
     query(q_in, cos, sin, d, q);
     scores(q, K, d, c - 1, scale, scratch);
     scratch[c - 1] = dot(q, k_last, d) * scale;
+    if (S) {
+        for (int64_t t = 0; t < start; ++t) S[t] = -INFINITY;
+        memcpy(S + start, scratch, (size_t)c * sizeof(float));
+    }
     softmax(scratch, c);
+    if (A) {
+        memset(A, 0, (size_t)start * sizeof(float));
+        memcpy(A + start, scratch, (size_t)c * sizeof(float));
+    }
     weighted_sum(scratch, V, v_last, d, c, out);
     free(scratch);
     return 0;
@@ -179,7 +190,7 @@ int hybridlm_decode_attention(const float *heads, int64_t B, int64_t H, int64_t 
         const int64_t b = task / H, h = task % H, j = h / group;
         const float *Kb = K + ((b * Hkv + j) * cap + start) * d, *Vb = V + ((b * Hkv + j) * cap + start) * d;
         if (attend(heads + b * width + h * d, cos, sin, Kb, Vb, Kb + (c - 1) * d, Vb + (c - 1) * d, d, c, scale,
-                   out + (b * H + h) * d))
+                   out + (b * H + h) * d, 0, NULL, NULL))
             failed = 1;
     }
     return failed ? -1 : 0;
@@ -245,10 +256,12 @@ void hybridlm_attention_output(const float *A, int64_t B, int64_t H, int64_t Hkv
  * writes layer `layer` at position n[b]. window > 0: a local layer reading the last `window`
  * keys. cos and sin are the whole rotary tables [T, d] (NULL: no rotary); row n[b] of them
  * rotates sequence b. Each (b, h) is computed exactly as the single-sequence call computes it,
- * so a row's bits do not depend on its batch. Returns 0, or −1 without scratch. */
+ * so a row's bits do not depend on its batch. S and A (NULL: not wanted) receive the scores and
+ * the pattern, sequence b's H rows of n[b] + 1 entries one after another, as the staged step
+ * forms them. Returns 0, or −1 without scratch. */
 int hybridlm_decode_attention_batch(const float *heads, int64_t B, int64_t H, int64_t Hkv, int64_t d,
                                     const int64_t *rows, int64_t layer, int64_t window, const float *cos,
-                                    const float *sin, float scale, float *out) {
+                                    const float *sin, float scale, float *out, float *S, float *A) {
     const int64_t group = H / Hkv, width = (H + 2 * Hkv) * d;
     const int64_t *base = rows, *cap = rows + B, *n = rows + 2 * B, *stride = rows + 3 * B, *values = rows + 4 * B;
     int64_t work = 0;
@@ -266,8 +279,11 @@ int hybridlm_decode_attention_batch(const float *heads, int64_t B, int64_t H, in
         const int64_t start = window > 0 && n[b] + 1 > window ? n[b] + 1 - window : 0, c = n[b] + 1 - start;
         const float *K = (const float *)(intptr_t)base[b] + layer * stride[b];
         const float *Kb = K + (j * cap[b] + start) * d, *Vb = K + values[b] + (j * cap[b] + start) * d;
+        int64_t row = h * (n[b] + 1); /* where (b, h) starts in S and A */
+        for (int64_t e = 0; S && e < b; ++e) row += H * (n[e] + 1);
         if (attend(heads + b * width + h * d, cos ? cos + n[b] * d : 0, sin ? sin + n[b] * d : 0, Kb, Vb,
-                   Kb + (c - 1) * d, Vb + (c - 1) * d, d, c, scale, out + (b * H + h) * d))
+                   Kb + (c - 1) * d, Vb + (c - 1) * d, d, c, scale, out + (b * H + h) * d, start,
+                   S ? S + row : NULL, A ? A + row : NULL))
             failed = 1;
     }
     return failed ? -1 : 0;
@@ -290,7 +306,8 @@ int hybridlm_fork_attention(const float *heads, int64_t B, int64_t H, int64_t Hk
     for (int64_t task = 0; task < B * H; ++task) {
         const int64_t b = task / H, h = task % H, j = h / group;
         if (attend(heads + b * width + h * d, cos, sin, K + (j * cap + start) * d, V + (j * cap + start) * d,
-                   own_k + (b * Hkv + j) * d, own_v + (b * Hkv + j) * d, d, c, scale, out + (b * H + h) * d))
+                   own_k + (b * Hkv + j) * d, own_v + (b * Hkv + j) * d, d, c, scale, out + (b * H + h) * d, 0,
+                   NULL, NULL))
             failed = 1;
     }
     return failed ? -1 : 0;

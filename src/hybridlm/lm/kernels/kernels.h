@@ -11,6 +11,6 @@ int hybridlm_int4_affine(const float *x, int64_t R, int64_t K, const uint8_t *pa
                          const uint16_t *m, const float *b, int64_t N, float *y);
 int hybridlm_decode_attention_batch(const float *heads, int64_t B, int64_t H, int64_t Hkv, int64_t d,
                                     const int64_t *rows, int64_t layer, int64_t window, const float *cos,
-                                    const float *sin, float scale, float *out);
+                                    const float *sin, float scale, float *out, float *S, float *A);
 
 #endif

@@ -83,9 +83,9 @@ static float moment(const float *x, int64_t n, float c, int square) {
 }
 
 /* out = the norm of each of the R rows of h [R, D]; γ and β may be NULL (x̂ alone, for a hook
- * point that sees the state before the affine part). */
-void hybridlm_norm(const float *h, int64_t R, int64_t D, int64_t rms, float eps, const float *g, const float *b,
-                   float *out) {
+ * point that sees the state before the affine part); xhat (NULL: not wanted) receives x̂ too. */
+static void norm_rows(const float *h, int64_t R, int64_t D, int64_t rms, float eps, const float *g, const float *b,
+                      float *out, float *xhat) {
     for (int64_t r = 0; r < R; ++r) {
         const float *x = h + r * D;
         float *y = out + r * D;
@@ -93,11 +93,17 @@ void hybridlm_norm(const float *h, int64_t R, int64_t D, int64_t rms, float eps,
         const float inv = 1.f / sqrtf(moment(x, D, mu, 1) / (float)D + eps);
         for (int64_t i = 0; i < D; ++i) {
             float v = (x[i] - mu) * inv;
+            if (xhat) xhat[r * D + i] = v;
             if (g) v = v * g[i];
             if (b) v = v + b[i];
             y[i] = v;
         }
     }
+}
+
+void hybridlm_norm(const float *h, int64_t R, int64_t D, int64_t rms, float eps, const float *g, const float *b,
+                   float *out) {
+    norm_rows(h, R, D, rms, eps, g, b, out, NULL);
 }
 
 #ifdef HYBRIDLM_AVX2
@@ -167,62 +173,103 @@ void hybridlm_gelu(const float *x, int64_t R, int64_t n, float *out) {
     }
 }
 
+/* Where a block's states lie in its taps (what its hook points see, in their order): offsets in
+ * floats of h entering, x̂₁, the q|k|v heads before rotation, the scores S and the pattern A
+ * (sequence b's H rows of n_b + 1 entries one after another), z, the attention output, h between,
+ * x̂₂, the MLP's pre-activation (gate|up for SwiGLU), its activation, its output, h leaving; and the
+ * end. hybridlm.lm.step reads the taps with the same layout. */
+enum { RESID_PRE, XHAT1, HEADS, SCORES, PATTERN, Z, ATTN_OUT, RESID_MID, XHAT2, PRE, POST, MLP_OUT, RESID_POST, TAPS };
+
+static void tap_offsets(const Block *blk, const Sizes *z, int64_t R, const int64_t *rows, int64_t off[TAPS + 1]) {
+    int64_t keys = 0;
+    for (int64_t b = 0; b < R; ++b) keys += z->H * (rows[2 * R + b] + 1);
+    const int64_t D = R * z->D, size[TAPS] = {D, D, R * (z->H + 2 * z->Hkv) * z->d, keys, keys, R * z->H * z->d, D, D,
+                                               D, R * (blk->swiglu ? 2 : 1) * z->d_mlp, R * z->d_mlp, D, D};
+    off[0] = 0;
+    for (int i = 0; i < TAPS; ++i) off[i + 1] = off[i] + size[i];
+}
+
 /* The attention sublayer of block ℓ for R rows: out [R, D] = Attn(LN₁(h)) W_O + b_O, writing
- * row n of layer ℓ of each row's state (`rows`: see hybridlm_decode_attention_batch). */
-int hybridlm_attention_sublayer(const Block *blk, const Sizes *z, const float *h, int64_t R, const int64_t *rows,
-                                const float *cos, const float *sin, float *out) {
+ * row n of layer ℓ of each row's state (`rows`: see hybridlm_decode_attention_batch). tap (NULL:
+ * none) is the block's taps, laid out by tap_offsets, which receive x̂₁, the heads, S, A and z. */
+static int attention_sublayer(const Block *blk, const Sizes *z, const float *h, int64_t R, const int64_t *rows,
+                              const float *cos, const float *sin, float *out, float *tap) {
     const int64_t width = (z->H + 2 * z->Hkv) * z->d;
+    int64_t off[TAPS + 1];
+    if (tap) tap_offsets(blk, z, R, rows, off);
     float *r = malloc(sizeof(float) * (size_t)(R * (z->D + width + z->H * z->d)));
     if (!r) return -1;
     float *heads = r + R * z->D, *o = heads + R * width;
-    hybridlm_norm(h, R, z->D, blk->rms, blk->eps, blk->g1, blk->b1, r);
-    int failed = product(&blk->qkv, r, R, heads) ||
-                 hybridlm_decode_attention_batch(heads, R, z->H, z->Hkv, z->d, rows, blk->layer, blk->window, cos,
-                                                 sin, blk->scale, o) ||
-                 product(&blk->out, o, R, out);
+    norm_rows(h, R, z->D, blk->rms, blk->eps, blk->g1, blk->b1, r, tap ? tap + off[XHAT1] : NULL);
+    int failed = product(&blk->qkv, r, R, heads);
+    if (!failed && tap) memcpy(tap + off[HEADS], heads, sizeof(float) * (size_t)(R * width));
+    failed = failed || hybridlm_decode_attention_batch(heads, R, z->H, z->Hkv, z->d, rows, blk->layer, blk->window,
+                                                       cos, sin, blk->scale, o, tap ? tap + off[SCORES] : NULL,
+                                                       tap ? tap + off[PATTERN] : NULL);
+    if (!failed && tap) memcpy(tap + off[Z], o, sizeof(float) * (size_t)(R * z->H * z->d));
+    failed = failed || product(&blk->out, o, R, out);
     free(r);
     return failed ? -1 : 0;
 }
 
-/* The MLP sublayer of block ℓ for R rows: out [R, D] = MLP(LN₂(h)). */
-int hybridlm_mlp_sublayer(const Block *blk, const Sizes *z, const float *h, int64_t R, float *out) {
+/* The MLP sublayer of block ℓ for R rows: out [R, D] = MLP(LN₂(h)); tap as above (x̂₂, the
+ * pre-activation, the activation). */
+static int mlp_sublayer(const Block *blk, const Sizes *z, const float *h, int64_t R, float *out, float *tap,
+                        const int64_t *off) {
     const int64_t up = (blk->swiglu ? 2 : 1) * z->d_mlp;
     float *r = malloc(sizeof(float) * (size_t)(R * (z->D + up + z->d_mlp)));
     if (!r) return -1;
     float *pre = r + R * z->D, *post = pre + R * up;
-    hybridlm_norm(h, R, z->D, blk->rms, blk->eps, blk->g2, blk->b2, r);
+    norm_rows(h, R, z->D, blk->rms, blk->eps, blk->g2, blk->b2, r, tap ? tap + off[XHAT2] : NULL);
     int failed = product(&blk->up, r, R, pre);
     if (!failed) {
         if (blk->swiglu)
             hybridlm_swiglu(pre, up, pre + z->d_mlp, up, R, z->d_mlp, post);
         else
             hybridlm_gelu(pre, R, z->d_mlp, post);
+        if (tap) {
+            memcpy(tap + off[PRE], pre, sizeof(float) * (size_t)(R * up));
+            memcpy(tap + off[POST], post, sizeof(float) * (size_t)(R * z->d_mlp));
+        }
         failed = product(&blk->down, post, R, out);
     }
     free(r);
     return failed ? -1 : 0;
 }
 
+int hybridlm_attention_sublayer(const Block *blk, const Sizes *z, const float *h, int64_t R, const int64_t *rows,
+                                const float *cos, const float *sin, float *out) {
+    return attention_sublayer(blk, z, h, R, rows, cos, sin, out, NULL);
+}
+
+int hybridlm_mlp_sublayer(const Block *blk, const Sizes *z, const float *h, int64_t R, float *out) {
+    return mlp_sublayer(blk, z, h, R, out, NULL, NULL);
+}
+
 /* L consecutive blocks for R rows, h [R, D] updated in place: h ← h + attention sublayer, then
- * h ← h + MLP sublayer, block by block. taps (NULL: none) [L, 5, R, D] receives each block's
- * residual states as its hook points see them: h entering, the attention sublayer's output, h
- * between the sublayers, the MLP sublayer's output, h leaving. Returns 0, or −1 without scratch
- * memory (h is then partly advanced: the caller's step has failed). */
+ * h ← h + MLP sublayer, block by block. taps (NULL: none) receive each block's states as its
+ * hook points see them, block after block, each laid out by tap_offsets: only the residual
+ * stream's five (h entering, the attention output, h between, the MLP output, h leaving) where
+ * `inner` is 0, every one where it is 1. Returns 0, or −1 without scratch memory (h is then
+ * partly advanced: the caller's step has failed). */
 int hybridlm_decode_blocks(const Block *blocks, int64_t L, const Sizes *z, float *h, int64_t R, const int64_t *rows,
-                           const float *cos, const float *sin, float *taps) {
+                           const float *cos, const float *sin, float *taps, int64_t inner) {
     const size_t bytes = sizeof(float) * (size_t)(R * z->D);
     float *a = malloc(bytes);
     if (!a) return -1;
     int failed = 0;
     for (int64_t l = 0; l < L && !failed; ++l) {
-        float *tap = taps ? taps + l * 5 * R * z->D : NULL;
-        if (tap) memcpy(tap, h, bytes);
-        failed = hybridlm_attention_sublayer(blocks + l, z, h, R, rows, cos, sin, a);
+        int64_t off[TAPS + 1];
+        tap_offsets(blocks + l, z, R, rows, off);
+        float *tap = taps, *deep = taps && inner ? taps : NULL;
+        if (taps) taps += off[TAPS];
+        if (tap) memcpy(tap + off[RESID_PRE], h, bytes);
+        failed = attention_sublayer(blocks + l, z, h, R, rows, cos, sin, a, deep);
         for (int64_t i = 0; !failed && i < R * z->D; ++i) h[i] = h[i] + a[i];
-        if (tap && !failed) memcpy(tap + R * z->D, a, bytes), memcpy(tap + 2 * R * z->D, h, bytes);
-        failed = failed || hybridlm_mlp_sublayer(blocks + l, z, h, R, a);
+        if (tap && !failed) memcpy(tap + off[ATTN_OUT], a, bytes), memcpy(tap + off[RESID_MID], h, bytes);
+        failed = failed || mlp_sublayer(blocks + l, z, h, R, a, deep, off);
         for (int64_t i = 0; !failed && i < R * z->D; ++i) h[i] = h[i] + a[i];
-        if (tap && !failed) memcpy(tap + 3 * R * z->D, a, bytes), memcpy(tap + 4 * R * z->D, h, bytes);
+        if (tap && !failed) memcpy(tap + off[MLP_OUT], a, bytes), memcpy(tap + off[RESID_POST], h, bytes);
     }
     free(a);
     return failed ? -1 : 0;
