@@ -269,3 +269,41 @@ def test_recording_every_activation_keeps_the_blocks_whole(family, precision, mo
     assert calls and max(calls) == 4 and torch.equal(logits, staged_logits)
     assert list(recorded) == list(staged)
     assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(recorded.values(), staged.values()))
+
+
+@requires_kernel
+@pytest.mark.parametrize("precision", ["float32", "int4"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_fork_runs_whole_with_each_candidates_bits(family, precision, monkeypatch):
+    """A fork's k candidates (a barrier's) go through the compiled run in one call, and each one's
+    final state and new rows have the bits the staged fork and a step of F alone give it."""
+    from hybridlm.lm.state import ForkedState
+
+    m = model_of(family, precision)
+    calls = []
+    monkeypatch.setattr(kernels.BlockKernel, "blocks",
+                        lambda self, *a, _f=kernels.BlockKernel.blocks, **k: calls.append(a[1]) or _f(self, *a, **k))
+    x = m.init_state(list(range(3, 12)))
+    m.F(x, [7])
+    calls.clear()
+    cand = torch.tensor([[5], [19], [7], [100]])
+
+    def fork(hooks=None):
+        f = ForkedState(x, 4)
+        with m.hooks(hooks or {}):
+            m(cand, f, logits=False)
+        return f
+
+    fast = fork()
+    assert calls == [4]
+    staged = fork(watching(["mlp.hook_post"], range(4)))
+    assert calls == [4] and torch.equal(fast.final, staged.final)
+    for layer in range(4):
+        assert all(torch.equal(a, b) for a, b in zip(fast.rows[layer], staged.rows[layer]))
+    for i, w in enumerate(cand[:, 0].tolist()):
+        alone = x.clone()
+        m.F(alone, [w])
+        assert torch.equal(m.readout(fast.final[i : i + 1][:, None])[:, -1], alone.logits)
+        for layer, (k, v) in fast.rows.items():
+            K, V = alone.layer_buffers(layer)
+            assert torch.equal(K[0, :, x.n], k[i]) and torch.equal(V[0, :, x.n], v[i])

@@ -16,9 +16,10 @@ a block's rows go through compiled code in one of three ways, by what watches th
   parts' own forwards, whose norms, activations, products and attention call the same kernels
   one at a time with the hook points between.
 
-The three give the same bits: the same kernels in the same order. Everything else (a prefill,
-another dtype or device, autograd, an affine map that does not say how the kernels read it
-(`kernel_product`: `Linear` and `Int4Linear` do), a fork of a state) takes the parts' forwards.
+The three give the same bits: the same kernels in the same order. A fork of one state (a
+hidden-state barrier's candidates) runs whole where nothing watches it. Everything else (a
+prefill, another dtype or device, autograd, an affine map that does not say how the kernels read
+it (`kernel_product`: `Linear` and `Int4Linear` do)) takes the parts' forwards.
 
 A block's kernel parameters (`kernels.BlockSpec`) hold the addresses of its tensors. They are
 built once and checked on every step against the block's current modules and tensors (identity
@@ -36,17 +37,19 @@ from hybridlm.lm.attention import Attention
 from hybridlm.lm.direct import member_edits
 from hybridlm.lm.mlp import GeluMLP, SwiGLU
 from hybridlm.lm.norm import LayerNorm, RMSNorm
-from hybridlm.lm.state import KVState, StateBatch, step_rows
+from hybridlm.lm.state import ForkedState, KVState, StateBatch, step_rows
 
 _RESIDUAL = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
 
 
 class TokenStep:
     """One token step's rows as the compiled blocks see them: the kernel, where each row's keys and
-    values lie (`state.step_rows`), the rotary tables, the model's sizes and its blocks' specs."""
+    values lie (`state.step_rows`), the rotary tables, the model's sizes and its blocks' specs;
+    `fork`, where the rows are a fork's candidates of one state (`state.ForkedState`)."""
 
-    def __init__(self, kernel: kernels.BlockKernel, table: "SpecTable", rows: torch.Tensor, cos, sin) -> None:
-        self.kernel, self.table, self.rows, self.cos, self.sin = kernel, table, rows, cos, sin
+    def __init__(self, kernel: kernels.BlockKernel, table: "SpecTable", rows: torch.Tensor, cos, sin,
+                 fork: ForkedState | None = None) -> None:
+        self.kernel, self.table, self.rows, self.cos, self.sin, self.fork = kernel, table, rows, cos, sin, fork
 
     def attention(self, spec: kernels.BlockSpec, h: torch.Tensor) -> torch.Tensor:
         return self.kernel.attention(spec, self.table.sizes, h, self.rows, self.cos, self.sin)
@@ -57,25 +60,36 @@ class TokenStep:
     def run(self, first: int, count: int, h: torch.Tensor, taps: torch.Tensor | None = None,
             inner: bool = False) -> None:
         """Blocks first … first + count − 1 (each checked by `SpecTable.watch`), h advanced in place;
-        taps (None, or `tap_layout` floats per block) receive the states their hook points see."""
+        taps (None, or `tap_layout` floats per block) receive the states their hook points see. A
+        fork's candidates' new rows go to the fork, layer by layer."""
         address = ctypes.addressof(self.table.specs) + first * ctypes.sizeof(kernels.BlockSpec)
-        self.kernel.blocks(address, count, self.table.sizes, h, self.rows, self.cos, self.sin, taps, inner)
+        own = None
+        if self.fork is not None:
+            cfg = self.table.config
+            own = h.new_empty(count, 2, h.shape[0], cfg.n_kv_head, cfg.d_head)
+        self.kernel.blocks(address, count, self.table.sizes, h, self.rows, self.cos, self.sin, taps, inner, own)
+        for i in range(count if own is not None else 0):
+            self.fork.write(first + i, own[i, 0], own[i, 1])
 
 
 def token_step(model, h: torch.Tensor, state, rotary) -> TokenStep | None:
     """The compiled blocks for this forward's rows, or None: they run where the rows are a token
-    step's (one position per sequence, float32 on the CPU, outside autograd) against a `KVState`
-    or a ragged `StateBatch` whose buffers are float32, and the rotary tables (if any) are too."""
+    step's (one position per sequence, float32 on the CPU, outside autograd) against a `KVState`,
+    a ragged `StateBatch` or a fork of one state, whose buffers are float32, and the rotary tables
+    (if any) are too."""
     kernel = kernels.blocks()
     if kernel is None or h.shape[1] != 1 or not kernel.takes(h):
         return None
+    fork = None
     if isinstance(state, StateBatch):
         rows = state.meta()
     elif type(state) is KVState:
         rows = step_rows([state])
+    elif type(state) is ForkedState and state.parent.n == state.n:
+        fork, rows = state, step_rows([state.parent])
     else:
         return None
-    if rows is None or rows.shape[1] != h.shape[0]:
+    if rows is None or (fork is None and rows.shape[1] != h.shape[0]):
         return None
     cos = sin = None
     if rotary is not None:
@@ -85,13 +99,14 @@ def token_step(model, h: torch.Tensor, state, rotary) -> TokenStep | None:
     table = model.__dict__.get("_spec_table")
     if table is None or table.config is not model.config:
         table = model.__dict__["_spec_table"] = SpecTable(model.config)
-    return TokenStep(kernel, table, rows, cos, sin)
+    return TokenStep(kernel, table, rows, cos, sin, fork)
 
 
 def run_blocks(blocks, h: torch.Tensor, pos: torch.Tensor, state, rotary, step: TokenStep | None) -> torch.Tensor:
     """H⁽ℓ⁾ after the given blocks, in order: runs of blocks in one call each where `step` allows
-    (no hook on them but hooks that observe, which get the run's states afterwards), every other
-    block through its own forward (compiled sublayers where it allows)."""
+    (no hook on them but hooks that observe, which get the run's states afterwards; a fork's only
+    where nothing watches), every other block through its own forward (compiled sublayers where
+    it allows)."""
     if step is None:
         for block in blocks:
             h = block(h, pos, state, rotary)
@@ -102,7 +117,7 @@ def run_blocks(blocks, h: torch.Tensor, pos: torch.Tensor, state, rotary, step: 
         j, watched = i, 0
         while j < len(blocks):
             level = step.table.watch(blocks[j])
-            if level is None:
+            if level is None or (level and step.fork is not None):
                 break
             watched, j = max(watched, level), j + 1
         if j > i and _consecutive(blocks, i, j):
@@ -116,7 +131,7 @@ def run_blocks(blocks, h: torch.Tensor, pos: torch.Tensor, state, rotary, step: 
                     _replay(block, tap, layout, watched == 2, pos, isinstance(state, StateBatch))
             i = j
         else:
-            h, owned = blocks[i](h, pos, state, rotary, step), False
+            h, owned = blocks[i](h, pos, state, rotary, None if step.fork is not None else step), False
             i += 1
     return h
 

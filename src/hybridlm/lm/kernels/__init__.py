@@ -271,7 +271,7 @@ class BlockKernel:
         self._gelu = _function(lib.hybridlm_gelu, [p, i64, i64, p])
         self._attention = _function(lib.hybridlm_attention_sublayer, [p, p, p, i64, p, p, p, p], ctypes.c_int)
         self._mlp = _function(lib.hybridlm_mlp_sublayer, [p, p, p, i64, p], ctypes.c_int)
-        self._blocks = _function(lib.hybridlm_decode_blocks, [p, i64, p, p, i64, p, p, p, p, i64], ctypes.c_int)
+        self._blocks = _function(lib.hybridlm_decode_blocks, [p, i64, p, p, i64, p, p, p, p, i64, p], ctypes.c_int)
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
@@ -326,13 +326,14 @@ class BlockKernel:
         return out
 
     def blocks(self, specs: int, count: int, sizes: Sizes, h: torch.Tensor, rows: torch.Tensor, cos, sin,
-               taps: torch.Tensor | None = None, inner: bool = False) -> None:
+               taps: torch.Tensor | None = None, inner: bool = False, own: torch.Tensor | None = None) -> None:
         """`count` consecutive blocks (their specs from address `specs` on) for the rows h [R, 1, D],
         contiguous, advanced in place. taps (None: none) receive the states the blocks' hook points
         see, block after block in layer.c's layout (`hybridlm.lm.step.tap_layout`): the residual
-        stream's alone, or with `inner` every one."""
-        if self._blocks(specs, count, ctypes.addressof(sizes), h.data_ptr(), rows.shape[1], rows.data_ptr(),
-                        address(cos), address(sin), address(taps), int(inner)):
+        stream's alone, or with `inner` every one. own ([count, 2, R, H_kv, d] or None): the rows are
+        a fork's candidates of the one state in `rows`, and their new keys and values go there."""
+        if self._blocks(specs, count, ctypes.addressof(sizes), h.data_ptr(), h.shape[0], rows.data_ptr(),
+                        address(cos), address(sin), address(taps), int(inner), address(own)):
             raise MemoryError("decode blocks: no scratch memory")
 
 

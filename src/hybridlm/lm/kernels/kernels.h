@@ -13,4 +13,8 @@ int hybridlm_decode_attention_batch(const float *heads, int64_t B, int64_t H, in
                                     const int64_t *rows, int64_t layer, int64_t window, const float *cos,
                                     const float *sin, float scale, float *out, float *S, float *A);
 
+int hybridlm_fork_attention(const float *heads, int64_t B, int64_t H, int64_t Hkv, int64_t d, const float *K,
+                            const float *V, int64_t cap, int64_t n, int64_t start, const float *cos, const float *sin,
+                            float scale, float *own_k, float *own_v, float *out);
+
 #endif

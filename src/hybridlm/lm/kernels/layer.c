@@ -189,11 +189,27 @@ static void tap_offsets(const Block *blk, const Sizes *z, int64_t R, const int64
     for (int i = 0; i < TAPS; ++i) off[i + 1] = off[i] + size[i];
 }
 
+/* Attention for R rows: each against its own state (`rows`: see hybridlm_decode_attention_batch),
+ * or, where own is not NULL, R candidates continuing the one state of `rows` (a fork: each reads
+ * that state's keys and values and its own new row, which goes to own [2, R, H_kv, d] instead). */
+static int attention(const Block *blk, const Sizes *z, const float *heads, int64_t R, const int64_t *rows,
+                     const float *cos, const float *sin, float *o, float *S, float *A, float *own) {
+    if (!own)
+        return hybridlm_decode_attention_batch(heads, R, z->H, z->Hkv, z->d, rows, blk->layer, blk->window, cos, sin,
+                                               blk->scale, o, S, A);
+    const int64_t cap = rows[1], n = rows[2], w = blk->window;
+    const float *K = (const float *)(intptr_t)rows[0] + blk->layer * rows[3], *V = K + rows[4];
+    return hybridlm_fork_attention(heads, R, z->H, z->Hkv, z->d, K, V, cap, n, w > 0 && n + 1 > w ? n + 1 - w : 0,
+                                   cos ? cos + n * z->d : NULL, sin ? sin + n * z->d : NULL, blk->scale, own,
+                                   own + R * z->Hkv * z->d, o);
+}
+
 /* The attention sublayer of block ℓ for R rows: out [R, D] = Attn(LN₁(h)) W_O + b_O, writing
- * row n of layer ℓ of each row's state (`rows`: see hybridlm_decode_attention_batch). tap (NULL:
- * none) is the block's taps, laid out by tap_offsets, which receive x̂₁, the heads, S, A and z. */
+ * row n of layer ℓ of each row's state (`rows`: see hybridlm_decode_attention_batch), or a fork's
+ * rows to own (see attention). tap (NULL: none) is the block's taps, laid out by tap_offsets,
+ * which receive x̂₁, the heads, S, A and z. */
 static int attention_sublayer(const Block *blk, const Sizes *z, const float *h, int64_t R, const int64_t *rows,
-                              const float *cos, const float *sin, float *out, float *tap) {
+                              const float *cos, const float *sin, float *out, float *tap, float *own) {
     const int64_t width = (z->H + 2 * z->Hkv) * z->d;
     int64_t off[TAPS + 1];
     if (tap) tap_offsets(blk, z, R, rows, off);
@@ -203,9 +219,8 @@ static int attention_sublayer(const Block *blk, const Sizes *z, const float *h, 
     norm_rows(h, R, z->D, blk->rms, blk->eps, blk->g1, blk->b1, r, tap ? tap + off[XHAT1] : NULL);
     int failed = product(&blk->qkv, r, R, heads);
     if (!failed && tap) memcpy(tap + off[HEADS], heads, sizeof(float) * (size_t)(R * width));
-    failed = failed || hybridlm_decode_attention_batch(heads, R, z->H, z->Hkv, z->d, rows, blk->layer, blk->window,
-                                                       cos, sin, blk->scale, o, tap ? tap + off[SCORES] : NULL,
-                                                       tap ? tap + off[PATTERN] : NULL);
+    failed = failed || attention(blk, z, heads, R, rows, cos, sin, o, tap ? tap + off[SCORES] : NULL,
+                                 tap ? tap + off[PATTERN] : NULL, own);
     if (!failed && tap) memcpy(tap + off[Z], o, sizeof(float) * (size_t)(R * z->H * z->d));
     failed = failed || product(&blk->out, o, R, out);
     free(r);
@@ -239,7 +254,7 @@ static int mlp_sublayer(const Block *blk, const Sizes *z, const float *h, int64_
 
 int hybridlm_attention_sublayer(const Block *blk, const Sizes *z, const float *h, int64_t R, const int64_t *rows,
                                 const float *cos, const float *sin, float *out) {
-    return attention_sublayer(blk, z, h, R, rows, cos, sin, out, NULL);
+    return attention_sublayer(blk, z, h, R, rows, cos, sin, out, NULL, NULL);
 }
 
 int hybridlm_mlp_sublayer(const Block *blk, const Sizes *z, const float *h, int64_t R, float *out) {
@@ -250,21 +265,23 @@ int hybridlm_mlp_sublayer(const Block *blk, const Sizes *z, const float *h, int6
  * h ← h + MLP sublayer, block by block. taps (NULL: none) receive each block's states as its
  * hook points see them, block after block, each laid out by tap_offsets: only the residual
  * stream's five (h entering, the attention output, h between, the MLP output, h leaving) where
- * `inner` is 0, every one where it is 1. Returns 0, or −1 without scratch memory (h is then
- * partly advanced: the caller's step has failed). */
+ * `inner` is 0, every one where it is 1. own (NULL: none): the rows are a fork's candidates of the
+ * one state in `rows`, whose new rows go to own [L, 2, R, H_kv, d] (see attention). Returns 0, or
+ * −1 without scratch memory (h is then partly advanced: the caller's step has failed). */
 int hybridlm_decode_blocks(const Block *blocks, int64_t L, const Sizes *z, float *h, int64_t R, const int64_t *rows,
-                           const float *cos, const float *sin, float *taps, int64_t inner) {
+                           const float *cos, const float *sin, float *taps, int64_t inner, float *own) {
     const size_t bytes = sizeof(float) * (size_t)(R * z->D);
     float *a = malloc(bytes);
     if (!a) return -1;
     int failed = 0;
     for (int64_t l = 0; l < L && !failed; ++l) {
         int64_t off[TAPS + 1];
-        tap_offsets(blocks + l, z, R, rows, off);
+        if (taps) tap_offsets(blocks + l, z, R, rows, off); /* (a fork is never tapped: its table has one row) */
         float *tap = taps, *deep = taps && inner ? taps : NULL;
         if (taps) taps += off[TAPS];
         if (tap) memcpy(tap + off[RESID_PRE], h, bytes);
-        failed = attention_sublayer(blocks + l, z, h, R, rows, cos, sin, a, deep);
+        failed = attention_sublayer(blocks + l, z, h, R, rows, cos, sin, a, deep,
+                                    own ? own + l * 2 * R * z->Hkv * z->d : NULL);
         for (int64_t i = 0; !failed && i < R * z->D; ++i) h[i] = h[i] + a[i];
         if (tap && !failed) memcpy(tap + off[ATTN_OUT], a, bytes), memcpy(tap + off[RESID_MID], h, bytes);
         failed = failed || mlp_sublayer(blocks + l, z, h, R, a, deep, off);
