@@ -13,8 +13,9 @@ no hook attached LayerNorm runs PyTorch's fused kernel. RMSNorm's written-out fo
 the mean square in float32, as `transformers` does, and gives its bits in float32 and
 bfloat16; on a float32 state the fused `rms_norm` runs instead, one call that gives the same
 bits (with a hook, without γ, which multiplies after the hook point; in bfloat16 it rounds
-differently, so there the written-out form always runs). Attaching a hook never changes the
-numbers.
+differently, so there the written-out form always runs). Attaching a hook to RMSNorm never
+changes the numbers, nor to LayerNorm in a token step; in a prefill, LayerNorm's fused kernel
+rounds x̂ γ + β its own way, and with a hook attached the last bit may differ.
 """
 
 from __future__ import annotations
