@@ -28,11 +28,11 @@ HookFn = Callable[[torch.Tensor, "HookPoint"], Optional[torch.Tensor]]
 
 def observing(fn: HookFn) -> HookFn:
     """Mark a hook as one that only looks: it returns None and changes nothing the model reads.
-    Where only such hooks watch the residual stream of a token step, the compiled blocks run
-    whole and hand them the states afterwards, in the order the hook points would have, with
-    the same bits and `hook.ctx` (hybridlm.lm.step); an unmarked hook runs between the compiled
-    sublayers, since it may replace the state. (A marked hook that returned a tensor would find
-    it ignored there.)"""
+    Where only such hooks watch a block in a token step, the compiled blocks run whole and hand
+    them the states afterwards, in the order and shapes the hook points would have, with the
+    same bits and `hook.ctx` (hybridlm.lm.step); an unmarked hook sends the block through its
+    sublayers or parts, since it may replace the state. (A marked hook that returned a tensor
+    would find it ignored there.)"""
     fn.observes = True
     return fn
 

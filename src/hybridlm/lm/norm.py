@@ -80,7 +80,7 @@ def _step_kernel(h: torch.Tensor, *params: torch.Tensor):
         return None
     grad = torch.is_grad_enabled()
     for p in params:
-        if p.dtype != torch.float32 or not p.is_cpu or not p.is_contiguous() or (grad and p.requires_grad):
+        if not kernels.plain_vector(p, h.shape[-1]) or (grad and p.requires_grad):
             return None
     return kernel
 

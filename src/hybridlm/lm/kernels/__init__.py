@@ -21,7 +21,7 @@ SmolLM2 decode step on this kind of CPU, whose arithmetic is a few microseconds.
 
 `layer.c`, a token step of whole blocks (`hybridlm.lm.step`): the norms, the activations and
 the residual sums around the products and attention above, a sublayer in one call and a run of
-unwatched blocks in one call. A token step of SmolLM2 had spent as long again in these small
+blocks in one call (writing out the states their hook points see, for hooks that observe). A token step of SmolLM2 had spent as long again in these small
 PyTorch operations and the Python between them as in its products. The staged path (a hook
 point inside a sublayer) calls the same norms and activations one at a time, so a block's bits
 do not depend on what watches it.

@@ -1,6 +1,7 @@
 /* A token step of the blocks (SPEC.md §2): R rows, one new position each, through consecutive
- * blocks in one call, where no hook point of those blocks is attached (see
- * hybridlm/lm/kernels/__init__.py and hybridlm/lm/step.py). For block ℓ,
+ * blocks in one call, where no hook that may replace a state watches those blocks (hooks that
+ * only observe get the states from the taps afterwards; see hybridlm/lm/kernels/__init__.py and
+ * hybridlm/lm/step.py). For block ℓ,
  *
  *   h̃ = h + Attn_ℓ(LN_{ℓ,1}(h)) W_O + b_O,        h ← h̃ + MLP_ℓ(LN_{ℓ,2}(h̃))
  *
@@ -15,7 +16,8 @@
  *   GELU-tanh  ½ x (1 + tanh(√(2/π) (x + 0.044715 x³)))
  *
  * Each sum over a row runs in a fixed order (32 lanes, then the lanes in order), each element-wise
- * product and sum is one rounded float32 operation (-ffp-contract=off), and e^x is attention.c's.
+ * product and sum is one rounded float32 operation (-ffp-contract=off), and e^x is simd.h's exp8,
+ * which attention's softmax uses too.
  */
 #include <math.h>
 #include <stdint.h>
