@@ -172,8 +172,9 @@ def test_a_residual_hook_that_replaces_the_state_acts_on_the_compiled_sublayers(
 
 @requires_kernel
 def test_a_replaced_weight_or_module_is_read_afresh():
-    """The compiled blocks hold the addresses of a block's tensors: a weight replaced in place of
-    its storage (`.data =`), a new module and a new precision are all seen on the next step."""
+    """The compiled blocks hold the addresses of a block's tensors and copy a few constants: a weight
+    replaced in place of its storage (`.data =`), a new module, a changed scale or ε and a new
+    precision are all seen on the next step."""
     m = model_of("gpt2", "float32")
     trajectory(m, steps=1)  # the specs are built
     g = torch.Generator().manual_seed(5)
@@ -184,6 +185,10 @@ def test_a_replaced_weight_or_module_is_read_afresh():
         new.weight.copy_(torch.randn(64, 96, generator=g) * 0.1)
         new.requires_grad_(False)
         m.blocks[2].mlp.W_proj = new
+    fast, _ = trajectory(m)
+    staged, _ = trajectory(m, watching(["mlp.hook_post"], range(4)))
+    assert torch.equal(fast, staged)
+    m.blocks[3].attn.scale, m.blocks[0].ln2.eps = 0.3, 1e-2  # constants the spec copies
     fast, _ = trajectory(m)
     staged, _ = trajectory(m, watching(["mlp.hook_post"], range(4)))
     assert torch.equal(fast, staged)

@@ -224,7 +224,7 @@ class SpecTable:
         self.sizes = kernels.Sizes(cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.d_head, cfg.d_mlp)
         self.specs = (kernels.BlockSpec * cfg.n_layer)()
         # per layer: (block, member_edits(), parts, their tensors, the tensors' addresses,
-        # the hook points inside the sublayers, those on the residual stream)
+        # the hook points inside the sublayers, those on the residual stream, `_constants`)
         self.built: list = [None] * cfg.n_layer
 
     def spec(self, block) -> kernels.BlockSpec | None:
@@ -263,23 +263,25 @@ class SpecTable:
             tensors = _tensors(parts)
             self.specs[layer] = made[0]
             residual = tuple(getattr(block, name) for name in _RESIDUAL)
-            built = self.built[layer] = (block, member_edits(), parts, tensors, _addresses(tensors), made[1], residual)
+            built = self.built[layer] = (block, member_edits(), parts, tensors, _addresses(tensors), made[1], residual,
+                                         _constants(parts))
         if torch.is_grad_enabled() and any(t.requires_grad for t in built[3]):
             return None
         return built
 
     @staticmethod
     def _still(built, block) -> bool:
-        """Whether the block still has the parts its spec was built from, each tensor where it was.
-        No member of a direct-call module set since (`member_edits`) means the same modules and
-        tensor objects; a tensor's storage may still have been swapped (`.data =`, `.to()`)."""
+        """Whether the block still has the parts its spec was built from, each tensor where it was and
+        each constant as it was. No member of a direct-call module set since (`member_edits`) means
+        the same modules and tensor objects; a tensor's storage may still have been swapped
+        (`.data =`, `.to()`), and a constant reassigned."""
         if built[0] is not block:
             return False
         if built[1] != member_edits():
             parts = _parts(block)
             if parts is None or len(parts) != len(built[2]) or any(a is not b for a, b in zip(parts, built[2])):
                 return False
-        return _addresses(built[3]) == built[4]
+        return _addresses(built[3]) == built[4] and _constants(built[2]) == built[7]
 
 
 def _parts(block) -> list | None:
@@ -304,6 +306,12 @@ def _parts(block) -> list | None:
             return None
         parts += tensors
     return parts
+
+
+def _constants(parts: list) -> tuple:
+    """The plain numbers a spec copies: the norms' ε, the attention's scale and window."""
+    ln1, attn, ln2 = parts[0], parts[1], parts[2]
+    return ln1.eps, ln2.eps, attn.scale, attn.window, attn.layer
 
 
 def _tensors(parts: list) -> list:
