@@ -195,12 +195,8 @@ class Attention(DirectModule):
         if step is None or (K is not None and (K.dtype != torch.float32
                                                or not (K.is_cpu and K.is_contiguous() and V.is_contiguous()))):
             return None
-        if rotary is None:
-            return step, None, None
-        cos, sin = rotary.cos, rotary.sin
-        if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
-            return None
-        return step, cos, sin
+        tables = kernels.rotary_tables(rotary)
+        return None if tables is None else (step, *tables)
 
     def _first_key(self, n: int) -> int:
         """The first key the query at position n reads: 0, or n + 1 − w in a local layer of window w."""

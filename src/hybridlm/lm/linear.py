@@ -35,7 +35,7 @@ from torch import nn
 
 from hybridlm.lm import kernels
 from hybridlm.lm.direct import DirectModule
-from hybridlm.lm.kernels import BLOCK_COLUMNS, STEP_ROWS
+from hybridlm.lm.kernels import BLOCK_COLUMNS, STEP_ROWS  # noqa: F401 (STEP_ROWS: the bound the docstring names)
 
 
 def column_major_zeros(rows: int, cols: int, **kwargs) -> torch.Tensor:
@@ -74,7 +74,7 @@ class Linear(DirectModule, nn.Linear):
 def affine(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x Wᵀ + b: a token step's few rows batch-invariant, a long block in column blocks."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows <= STEP_ROWS and (x.dim() < 3 or x.shape[-2] == 1):  # one token per sequence
+    if kernels.token_rows(x):  # one token per sequence
         product = kernels.affine()
         # (one test each, no more: a step calls this some 120 times)
         if product is not None and not _wrapped(x, W, b) and product.applies(x, W, b):

@@ -31,7 +31,7 @@ class GeluMLP(DirectModule):
 
     def forward(self, r: torch.Tensor) -> torch.Tensor:
         pre = self.hook_pre(self.W_fc(r))
-        kernel = _step_kernel(pre)
+        kernel = kernels.step_kernel((pre,))
         post = F.gelu(pre, approximate="tanh") if kernel is None else kernel.gelu(pre)
         return self.W_proj(self.hook_post(post))
 
@@ -63,18 +63,9 @@ class SwiGLU(DirectModule):
         gate_up, d = self.W_gate_up(r), self.d_mlp
         gate, up = gate_up[..., :d], gate_up[..., d:]  # (slices: cheaper than Tensor.split's Python wrapper)
         gate, up = self.hook_pre(gate), self.hook_pre_linear(up)
-        kernel = _step_kernel(gate, up)
+        kernel = kernels.step_kernel((gate, up))
         post = F.silu(gate) * up if kernel is None else kernel.swiglu(gate, up)
         return self.W_down(self.hook_post(post))
-
-
-def _step_kernel(*states: torch.Tensor):
-    """The compiled activation where every state is a token step's rows of one shape (see
-    `hybridlm.lm.kernels.BlockKernel.takes`), the one a compiled block runs; else None."""
-    kernel = kernels.blocks()
-    if kernel is None or any(s.shape != states[0].shape or not kernel.takes(s) for s in states):
-        return None
-    return kernel
 
 
 def make_mlp(cfg: ModelConfig) -> nn.Module:

@@ -39,7 +39,7 @@ class LayerNorm(DirectModule):
         self.hook_normalized = HookPoint()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        kernel = _step_kernel(h, self.weight, self.bias)
+        kernel = kernels.step_kernel((h,), (self.weight, self.bias))
         if kernel is not None:
             if not self.hook_normalized.active:
                 return kernel.norm(h, False, self.eps, self.weight, self.bias)
@@ -58,7 +58,7 @@ class RMSNorm(DirectModule):
         self.hook_normalized = HookPoint()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        kernel = _step_kernel(h, self.weight)
+        kernel = kernels.step_kernel((h,), (self.weight,))
         if kernel is not None:
             if not self.hook_normalized.active:
                 return kernel.norm(h, True, self.eps, self.weight, None)
@@ -70,19 +70,6 @@ class RMSNorm(DirectModule):
         h32 = h.float()  # (as transformers does: the mean square in float32 whatever the dtype)
         inv_rms = (h32 * h32).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
         return self.weight * self.hook_normalized((h32 * inv_rms).to(h.dtype))
-
-
-def _step_kernel(h: torch.Tensor, *params: torch.Tensor):
-    """The compiled norm where h is a token step's rows and the parameters plain float32 outside
-    autograd; else None."""
-    kernel = kernels.blocks()
-    if kernel is None or not kernel.takes(h):
-        return None
-    grad = torch.is_grad_enabled()
-    for p in params:
-        if not kernels.plain_vector(p, h.shape[-1]) or (grad and p.requires_grad):
-            return None
-    return kernel
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:

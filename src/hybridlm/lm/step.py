@@ -21,14 +21,16 @@ hidden-state barrier's candidates) runs whole where nothing watches it. Everythi
 prefill, another dtype or device, autograd, an affine map that does not say how the kernels read
 it (`kernel_product`: `Linear` and `Int4Linear` do)) takes the parts' forwards.
 
-A block's kernel parameters (`kernels.BlockSpec`) hold the addresses of its tensors. They are
-built once and checked on every step against the block's current modules and tensors (identity
-and address), so a replaced weight or module is seen before the kernel could read stale memory.
+A block's kernel parameters (`kernels.BlockSpec`) hold the addresses of its tensors and copy a
+few constants. They are built once and checked on every step against the block's current modules
+and tensors (identity and address) and those constants, so a replaced weight or module is seen
+before the kernel could read stale memory.
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 
@@ -91,15 +93,13 @@ def token_step(model, h: torch.Tensor, state, rotary) -> TokenStep | None:
         return None
     if rows is None or (fork is None and rows.shape[1] != h.shape[0]):
         return None
-    cos = sin = None
-    if rotary is not None:
-        cos, sin = rotary.cos, rotary.sin
-        if cos.dtype != torch.float32 or not (cos.is_cpu and cos.is_contiguous() and sin.is_contiguous()):
-            return None
+    tables = kernels.rotary_tables(rotary)
+    if tables is None:
+        return None
     table = model.__dict__.get("_spec_table")
     if table is None or table.config is not model.config:
         table = model.__dict__["_spec_table"] = SpecTable(model.config)
-    return TokenStep(kernel, table, rows, cos, sin, fork)
+    return TokenStep(kernel, table, rows, *tables, fork)
 
 
 def run_blocks(blocks, h: torch.Tensor, pos: torch.Tensor, state, rotary, step: TokenStep | None) -> torch.Tensor:
@@ -215,6 +215,23 @@ def _attention_states(attn, heads, S, A, z) -> None:
     attn.hook_z(z)
 
 
+class _Built(NamedTuple):
+    """What a block's spec was built from, to tell whether it still holds."""
+
+    block: object
+    edits: int  # member_edits() then
+    parts: list  # `_parts`: modules, residual hook points, tensors
+    tensors: list
+    addresses: tuple  # the tensors' addresses
+    inner: tuple  # the hook points inside the sublayers
+    constants: tuple  # `_constants`
+
+    @property
+    def residual(self) -> tuple:
+        """The block's residual-stream hook points (in `parts`, after its eight modules)."""
+        return tuple(self.parts[8 : 8 + len(_RESIDUAL)])
+
+
 class SpecTable:
     """The kernel parameters of a model's blocks, one slot per layer, each built from the block's
     modules and tensors and rebuilt when any of them changes."""
@@ -223,15 +240,13 @@ class SpecTable:
         self.config = cfg
         self.sizes = kernels.Sizes(cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.d_head, cfg.d_mlp)
         self.specs = (kernels.BlockSpec * cfg.n_layer)()
-        # per layer: (block, member_edits(), parts, their tensors, the tensors' addresses,
-        # the hook points inside the sublayers, those on the residual stream, `_constants`)
-        self.built: list = [None] * cfg.n_layer
+        self.built: list[_Built | None] = [None] * cfg.n_layer
 
     def spec(self, block) -> kernels.BlockSpec | None:
         """The block's spec, or None where its sublayers cannot run compiled: a hook point inside
         them attached, or a part the kernels do not compute (then its own forward runs)."""
         built = self._entry(block)
-        if built is None or any(point.fns for point in built[5]):
+        if built is None or any(point.fns for point in built.inner):
             return None
         return self.specs[block.layer]
 
@@ -243,7 +258,7 @@ class SpecTable:
         if built is None:
             return None
         level = 0
-        for points, deep in ((built[6], 1), (built[5], 2)):
+        for points, deep in ((built.residual, 1), (built.inner, 2)):
             for point in points:
                 if point.fns:
                     if not point.observed:
@@ -251,7 +266,7 @@ class SpecTable:
                     level = deep
         return level
 
-    def _entry(self, block):
+    def _entry(self, block) -> _Built | None:
         layer = block.layer
         built = self.built[layer]
         if built is None or not self._still(built, block):
@@ -262,26 +277,25 @@ class SpecTable:
                 return None
             tensors = _tensors(parts)
             self.specs[layer] = made[0]
-            residual = tuple(getattr(block, name) for name in _RESIDUAL)
-            built = self.built[layer] = (block, member_edits(), parts, tensors, _addresses(tensors), made[1], residual,
-                                         _constants(parts))
-        if torch.is_grad_enabled() and any(t.requires_grad for t in built[3]):
+            built = self.built[layer] = _Built(block, member_edits(), parts, tensors, _addresses(tensors), made[1],
+                                               _constants(parts))
+        if torch.is_grad_enabled() and any(t.requires_grad for t in built.tensors):
             return None
         return built
 
     @staticmethod
-    def _still(built, block) -> bool:
+    def _still(built: _Built, block) -> bool:
         """Whether the block still has the parts its spec was built from, each tensor where it was and
         each constant as it was. No member of a direct-call module set since (`member_edits`) means
         the same modules and tensor objects; a tensor's storage may still have been swapped
         (`.data =`, `.to()`), and a constant reassigned."""
-        if built[0] is not block:
+        if built.block is not block:
             return False
-        if built[1] != member_edits():
+        if built.edits != member_edits():
             parts = _parts(block)
-            if parts is None or len(parts) != len(built[2]) or any(a is not b for a, b in zip(parts, built[2])):
+            if parts is None or len(parts) != len(built.parts) or any(a is not b for a, b in zip(parts, built.parts)):
                 return False
-        return _addresses(built[3]) == built[4] and _constants(built[2]) == built[7]
+        return _addresses(built.tensors) == built.addresses and _constants(built.parts) == built.constants
 
 
 def _parts(block) -> list | None:

@@ -275,10 +275,9 @@ class BlockKernel:
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
-        """Whether x is a token step's rows ([..., 1, D] or [R, D], at most `STEP_ROWS` rows) of
-        float32 on the CPU outside autograd: what these kernels compute for."""
-        return (x.dtype == torch.float32 and x.is_cpu and (x.dim() < 3 or x.shape[-2] == 1)
-                and x.numel() <= STEP_ROWS * x.shape[-1]
+        """Whether x is a token step's rows (`token_rows`) of float32 on the CPU outside autograd:
+        what these kernels compute for."""
+        return (x.dtype == torch.float32 and x.is_cpu and token_rows(x)
                 and not (x.requires_grad and torch.is_grad_enabled())
                 and not torch._C._functorch.is_functorch_wrapped_tensor(x))
 
@@ -335,6 +334,36 @@ class BlockKernel:
         if self._blocks(specs, count, ctypes.addressof(sizes), h.data_ptr(), h.shape[0], rows.data_ptr(),
                         address(cos), address(sin), address(taps), int(inner), address(own)):
             raise MemoryError("decode blocks: no scratch memory")
+
+
+def token_rows(x: torch.Tensor) -> bool:
+    """Whether x [..., D] holds a token step's rows: one position per sequence ([..., 1, D], or
+    [R, D]) and at most `STEP_ROWS` of them."""
+    return (x.dim() < 3 or x.shape[-2] == 1) and x.numel() <= STEP_ROWS * x.shape[-1]
+
+
+def step_kernel(states: tuple, params: tuple = ()) -> BlockKernel | None:
+    """The compiled norms and activations for `states` (one shape, each a token step's rows that
+    `BlockKernel.takes`) with the gains and biases `params` (None, or contiguous float32 vectors of
+    the rows' width outside autograd): the ones a compiled block runs. None elsewhere."""
+    kernel = blocks()
+    if kernel is None or any(s.shape != states[0].shape or not kernel.takes(s) for s in states):
+        return None
+    grad = torch.is_grad_enabled()
+    if any(not plain_vector(p, states[0].shape[-1]) or (grad and p is not None and p.requires_grad) for p in params):
+        return None
+    return kernel
+
+
+def rotary_tables(rotary) -> tuple | None:
+    """(cos, sin) of a `Rotary` as the compiled kernels read them, (None, None) without one, and
+    None where the tables are not contiguous float32 on the CPU."""
+    if rotary is None:
+        return None, None
+    cos, sin = rotary.cos, rotary.sin
+    if cos.dtype != torch.float32 or not (cos.is_cpu and cos.is_contiguous() and sin.is_contiguous()):
+        return None
+    return cos, sin
 
 
 def address(t: torch.Tensor | None) -> int | None:
