@@ -40,6 +40,21 @@ def test_generate_greedy_matches_argmax(run, toy_model):
     assert out["prompt_ids"] == [1, 2, 3] and out["generated_ids"] == [expect]
 
 
+def test_generate_logit_bias_and_penalties(run, toy_model):
+    import torch
+
+    out = json.loads(run("1 2 3", "--ids", "--greedy", "-n", "1", "--json", "--logit-bias", "7=-100",
+                         "--logit-bias", "9=2.5").output)
+    z = toy_model(torch.tensor([[1, 2, 3]]))[0, -1]
+    z[7] -= 100
+    z[9] += 2.5
+    assert out["generated_ids"] == [int(z.argmax())] and "logit bias on 2 tokens" in out["kernel"]
+    out = json.loads(run("1 2 3", "--ids", "--greedy", "-n", "12", "--json", "--presence-penalty", "1000").output)
+    assert len(set(out["generated_ids"])) == 12  # a token once generated is never the argmax again
+    r = run("1 2 3", "--ids", "--logit-bias", "50257=1")
+    assert r.exit_code == 2 and "50257" in r.output and "vocabulary" in r.output
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

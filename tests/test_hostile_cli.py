@@ -50,6 +50,10 @@ def one_line_exit_2(result, fragment):
     (["generate", "x", "--ban", "\udcff"], "UTF-8"),
     (["generate", "x", "-n", "-3"], "-3"),
     (["generate", "x", "--top-k", "many"], "many"),
+    (["generate", "x", "--logit-bias", "13"], "ID=BIAS"),
+    (["generate", "x", "--logit-bias", "x=1"], "'x=1'"),
+    (["generate", "x", "--logit-bias", "-4=1"], "-4"),
+    (["generate", "x", "--frequency-penalty", "nan"], "frequency penalty"),
     (["generate"], "PROMPT"),
 ])
 def test_bad_input_is_one_line_before_the_model(no_model, args, fragment):

@@ -155,6 +155,34 @@ def test_logprobs_equal_a_forward_pass_over_the_string(served, client, smollm2):
         assert bytes(entry.bytes).decode("utf-8", "replace") == tok.token_str(t) or "\ufffd" in tok.token_str(t)
 
 
+def test_penalties_and_logit_bias_follow_openais_definition(served, client, smollm2):
+    """Each greedy token is the argmax of a whole-string forward pass's logits with OpenAI's
+    penalties and bias written out: z + b − α_f·c − α_p·1[c > 0], c counting generated tokens."""
+    url, _ = served
+    messages = ask("List the days of the week.")
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    first = arc_tokens(url, plain.model_extra["hybridlm"]["arcs"][0])[0]
+    bias = {first: -100.0, 11: 1.5}
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                       frequency_penalty=1.2, presence_penalty=0.6,
+                                       logit_bias={str(k): v for k, v in bias.items()})
+    tokens = arc_tokens(url, r.model_extra["hybridlm"]["arcs"][0])
+    assert tokens[0] != first
+    tok = smollm2.tokenizer
+    prompt = tok.encode(tok.render_chat(messages, add_generation_prompt=True))
+    with torch.no_grad():
+        logits = smollm2(torch.tensor([prompt + tokens]))[0].double()
+    counts: dict[int, int] = {}
+    for i, t in enumerate(tokens):
+        z = logits[len(prompt) - 1 + i].clone()
+        for v, b in bias.items():
+            z[v] += b
+        for v, c in counts.items():
+            z[v] -= 1.2 * c + 0.6
+        assert float(z.max() - z[t]) < 1e-3, (i, t, int(z.argmax()))
+        counts[t] = counts.get(t, 0) + 1
+
+
 # ====================================================================== tools
 def test_required_and_named_tool_choice_make_schema_valid_calls(client):
     r = client.chat.completions.create(model=MODEL, messages=ask("What is the weather in Paris?"), tools=[WEATHER],
@@ -341,7 +369,10 @@ def test_response_format_holds_beside_tools_that_may_not_be_called(client):
     (dict(tools=[{"type": "function", "function": {"name": "bad name!", "parameters": {}}}]), 400, None, None),
     (dict(messages=[{"role": "wizard", "content": "hi"}]), 400, None, None),
     (dict(messages=[{"role": "tool", "content": "5"}]), 400, None, None),
-    (dict(frequency_penalty=1.0), 400, "frequency_penalty", None),
+    (dict(frequency_penalty=2.5), 400, "frequency_penalty", None),
+    (dict(logit_bias={"hello": 1}), 400, "logit_bias", None),
+    (dict(logit_bias={"13": 101}), 400, "logit_bias", None),
+    (dict(logit_bias={"49152": -100}), 400, "logit_bias", None),
     (dict(stop=["a", "b", "c", "d", "e"]), 400, "stop", None),
 ])
 def test_bad_requests_get_openai_errors(client, kwargs, status, param, code):

@@ -228,6 +228,12 @@ MODEL_HELP = "Model: a name (smollm2-135m, gpt2, random:gpt2, ...), a hub-layout
 @click.option("--temperature", "-t", type=float, default=None, help="Temperature τ > 0 [default: 1].")
 @click.option("--top-k", type=int, default=None, help="Keep the K most likely tokens (K ≥ 1).")
 @click.option("--top-p", type=float, default=None, help="Nucleus: keep the smallest set of mass ≥ P, P in (0, 1].")
+@click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
+              help="Subtract A × (times the token was generated) from its logit (OpenAI's frequency penalty).")
+@click.option("--presence-penalty", type=float, default=0.0, show_default=True,
+              help="Subtract A from the logit of every token generated at least once (OpenAI's presence penalty).")
+@click.option("--logit-bias", "logit_bias", multiple=True, metavar="ID=BIAS",
+              help="Add BIAS to the logit of token ID (repeatable; -100 bans it in effect).")
 @click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of the sampler (and of random weights).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template; stop at end of turn.")
 @click.option("--ids", "as_ids", is_flag=True, help="PROMPT is a list of token ids (comma or space separated).")
@@ -240,8 +246,9 @@ MODEL_HELP = "Model: a name (smollm2-135m, gpt2, random:gpt2, ...), a hub-layout
 @_precision_option("auto")
 @_context_option
 @_control_options
-def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top_p, seed, chat, as_ids, as_json,
-             schema_file, regex, grammar_file, precision, context_policy, ban, steer, steer_layer, steer_scale):
+def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top_p, frequency_penalty, presence_penalty,
+             logit_bias, seed, chat, as_ids, as_json, schema_file, regex, grammar_file, precision, context_policy, ban,
+             steer, steer_layer, steer_scale):
     """Run the token-clock recursion from PROMPT and print the continuation."""
     from hybridlm.errors import InputError
     from hybridlm.engine.clock import sequence, stream
@@ -251,7 +258,9 @@ def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top
     constraint_source = _constraint_source(schema_file, regex, grammar_file)  # read before the model loads
     if greedy and temperature is not None:
         raise InputError("--greedy and --temperature exclude each other: greedy is the limit τ → 0")
-    kernel = Kernel(temperature=1.0 if temperature is None else temperature, top_k=top_k, top_p=top_p, greedy=greedy)
+    kernel = Kernel(temperature=1.0 if temperature is None else temperature, top_k=top_k, top_p=top_p, greedy=greedy,
+                    frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                    logit_bias=_logit_bias(logit_bias))
     if not as_ids and not prompt.strip():
         raise InputError("empty prompt: give some text (or token ids with --ids)")
     t0 = time.perf_counter()
@@ -259,6 +268,9 @@ def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top
     load_s = time.perf_counter() - t0
     tok = model.tokenizer
     prompt_ids = _prompt_ids(prompt, model, as_ids=as_ids, chat=chat)
+    if kernel.logit_bias and kernel.logit_bias[-1][0] >= model.config.vocab_size:
+        raise InputError(f"--logit-bias: token {kernel.logit_bias[-1][0]} is not below the vocabulary size "
+                         f"{model.config.vocab_size}")
     controllers = _controllers(model, ban, steer, steer_layer, steer_scale)
     constraint = _constraint(constraint_source, model, max_new_tokens)
     s = sequence(model, prompt_ids, kernel=kernel, max_new_tokens=max_new_tokens, seed=seed, controllers=controllers,
@@ -1026,6 +1038,22 @@ def survey_neural_ode(out, steps, samples, lr, seed):
     s = run_neural_ode(out, steps=steps, samples=samples, lr=lr, seed=seed)
     _survey_table([("loss", f"{s['loss_before']:.4g} → {s['loss_after']:.4g} in {steps} steps"),
                    ("adjoint vs autograd, rel. error", f"{s['adjoint_vs_autograd']:.2e}")], out)
+
+
+def _logit_bias(entries) -> dict[int, float]:
+    """--logit-bias ID=BIAS entries as {id: bias}; one line naming a malformed entry."""
+    from hybridlm.errors import InputError
+
+    out = {}
+    for entry in entries:
+        token, sep, bias = entry.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            out[int(token)] = float(bias)
+        except ValueError:
+            raise InputError(f"--logit-bias {entry!r}: expected ID=BIAS, e.g. 50256=-100") from None
+    return out
 
 
 def _prompt_ids(prompt: str, model, *, as_ids: bool, chat: bool) -> list[int]:

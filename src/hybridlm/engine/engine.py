@@ -320,6 +320,7 @@ class Engine:
             for rec in recs:
                 s.emit("control", **rec)
             s.generated.append(w)
+            s.counts[w] = s.counts.get(w, 0) + 1
             s.turn.append(w)
             if s.constraint is not None:
                 s.constraint.advance(w)
@@ -340,10 +341,12 @@ class Engine:
         self.stats.wall_flow_s += time.perf_counter() - t0
 
     def _draw(self, s: ArcState) -> tuple[int, float, list[dict], torch.Tensor | None]:
-        """w_{t+1} ~ p_θ,u(· | s_t) for one row: its readout, its masks and controllers, its kernel.
+        """w_{t+1} ~ p_θ,u(· | s_t) for one row: its readout, its kernel's penalties and bias, its masks and
+        controllers, its kernel.
         The last item is the readout z_t before any input, when the sequence records log p_θ."""
         z = self.model.G(s.x)
         seen = z if s.logprobs is not None else None
+        z = s.kernel.penalised(z, s.counts)
         masks = [m for m in (s.constraint.mask() if s.constraint is not None else None, s.system.flow_mask(s))
                  if m is not None]
         for m in masks:

@@ -5,11 +5,21 @@
 Greedy decoding is the limit τ → 0 (argmax, ties to the lowest id). Top-k keeps the k
 largest logits; top-p (nucleus) keeps the smallest set of most likely tokens whose mass
 reaches p. Sampling draws from a seeded `torch.Generator`, so a seed fixes the run.
+
+OpenAI's penalties and logit bias are an additive input on the logits that depends on what
+the sequence has emitted, applied before any mask and before τ:
+
+    z_t(v) ↦ z_t(v) + b(v) − α_f · c_t(v) − α_p · 1[c_t(v) > 0]
+
+with c_t(v) the number of times the sequence has generated v (injected observations and the
+prompt do not count), α_f the frequency penalty, α_p the presence penalty and b the logit
+bias. All zero (the default), z is untouched.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +46,9 @@ class Kernel:
     top_k: int | None = None
     top_p: float | None = None
     greedy: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; a mapping is accepted
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -47,6 +60,31 @@ class Kernel:
             raise InputError(f"top-k={self.top_k!r}: expected an integer ≥ 1")
         if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise InputError(f"top-p={self.top_p!r}: expected a number in (0, 1]")
+        for name in ("frequency_penalty", "presence_penalty"):
+            a = getattr(self, name)
+            if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a):
+                raise InputError(f"{name.replace('_', ' ')} {a!r}: expected a finite number")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+
+    def penalised(self, z: torch.Tensor, counts: Mapping[int, int]) -> torch.Tensor:
+        """z + b − α_f·c − α_p·1[c > 0] (the module's equation); z [..., V], counts {token: c(token)}.
+        Returns z itself when there is nothing to add."""
+        alpha_f, alpha_p = self.frequency_penalty, self.presence_penalty
+        penalise = bool(counts) and (alpha_f != 0 or alpha_p != 0)
+        if not penalise and not self.logit_bias:
+            return z
+        z = z.clone()
+        vocab = z.shape[-1]
+        if self.logit_bias:
+            ids = [i for i, _ in self.logit_bias]
+            if ids[-1] >= vocab:
+                raise InputError(f"logit bias for token {ids[-1]}: expected a token id < {vocab} (the vocabulary)")
+            z[..., ids] += torch.tensor([b for _, b in self.logit_bias], dtype=z.dtype, device=z.device)
+        if penalise:
+            ids = [v for v in counts if v < vocab]
+            c = torch.tensor([counts[v] for v in ids], dtype=z.dtype, device=z.device)
+            z[..., ids] -= alpha_f * c + alpha_p
+        return z
 
     def shaped_logits(self, z: torch.Tensor) -> torch.Tensor:
         """z/τ with the tokens outside the top-k / top-p sets at −∞. z: [..., V]."""
@@ -85,10 +123,40 @@ class Kernel:
 
     def describe(self) -> str:
         if self.greedy:
-            return "greedy"
+            return ", ".join(["greedy", *self._inputs()])
         parts = [f"τ={self.temperature:g}"]
         if self.top_k is not None:
             parts.append(f"top-k={self.top_k}")
         if self.top_p is not None:
             parts.append(f"top-p={self.top_p:g}")
-        return ", ".join(parts)
+        return ", ".join(parts + self._inputs())
+
+    def _inputs(self) -> list[str]:
+        parts = [f"{name} penalty {a:g}" for name, a in (("frequency", self.frequency_penalty),
+                                                         ("presence", self.presence_penalty)) if a]
+        if self.logit_bias:
+            parts.append(f"logit bias on {len(self.logit_bias)} token{'s' if len(self.logit_bias) > 1 else ''}")
+        return parts
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """A logit bias ({token id: bias} or (id, bias) pairs, ids as ints or digit strings, as OpenAI's
+    wire carries them) as sorted (int, float) pairs; one line naming the first bad entry."""
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    try:
+        items = [tuple(item) for item in items]
+    except TypeError:
+        raise InputError(f"logit bias {bias!r}: expected a mapping of token ids to numbers") from None
+    out = {}
+    for item in items:
+        if len(item) != 2:
+            raise InputError(f"logit bias entry {item!r}: expected a (token id, bias) pair")
+        token, b = item
+        if isinstance(token, str) and token.strip().isdigit():
+            token = int(token)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InputError(f"logit bias key {token!r}: expected a token id (an integer ≥ 0)")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
+            raise InputError(f"logit bias for token {token}: {b!r} is not a finite number")
+        out[token] = float(b)
+    return tuple(sorted(out.items()))

@@ -61,6 +61,7 @@ class ArcState:
     generator: torch.Generator | None = None
     turn: list[int] = field(default_factory=list)  # tokens emitted since the last jump (or the start)
     generated: list[int] = field(default_factory=list)  # every emitted token
+    counts: dict[int, int] = field(default_factory=dict)  # c_t(v): how often each token was emitted
     messages: list[dict] = field(default_factory=list)
     phase: str = "prefill"
     finished: Termination | bool = False  # False while the flow may go on, else the cause it ended with

@@ -64,13 +64,21 @@ def check_model(service: Service, model: str) -> None:
                        param="model", code="model_not_found")
 
 
-def _kernel(body) -> Kernel:
+def _kernel(body, vocab: int) -> Kernel:
+    """The request's sampling law: τ (0: greedy), top-p, top-k, and the penalties and logit bias
+    that act on the logits (hybridlm.engine.sampling)."""
+    bias = body.logit_bias or {}
+    for key in bias:
+        if int(key) >= vocab:
+            raise invalid(f"logit_bias key {key}: expected a token id < {vocab} (the vocabulary)", param="logit_bias")
+    inputs = dict(frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
+                  logit_bias=bias)
     try:
         if body.temperature == 0:
-            return Kernel(greedy=True)
+            return Kernel(greedy=True, **inputs)
         top_p = body.top_p if body.top_p is not None and body.top_p < 1 else None
         return Kernel(temperature=1.0 if body.temperature is None else body.temperature, top_p=top_p,
-                      top_k=body.top_k)
+                      top_k=body.top_k, **inputs)
     except InputError as exc:
         raise invalid(str(exc), param="temperature") from None
 
@@ -163,7 +171,7 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
         prompt, marks = C.state_tokens(entry.state) + resume, []
     asked = body.max_completion_tokens or body.max_tokens
     budget = _budget(service, len(prompt), asked, "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
-    kernel = _kernel(body)
+    kernel = _kernel(body, service.model.config.vocab_size)
     lim = Limits(max_token_steps=budget, max_jumps=service.max_jumps if server else 0,
                  max_jumps_per_step=max(1, service.max_jumps) if parallel and server else 1)
     setup = C.ToolSetup(tok, service.tools if server else ToolRegistry(), Protocol(tok, ToolRegistry()), choice,
@@ -192,7 +200,7 @@ def prepare_completion(service: Service, body: CompletionBody) -> Prepared:
     check_model(service, body.model)
     model, tok = service.model, service.tokenizer
     stops = stop_list(body.stop)
-    kernel = _kernel(body)
+    kernel = _kernel(body, service.model.config.vocab_size)
     ident = f"cmpl-{secrets.token_hex(12)}"
     V = model.config.vocab_size
     seqs, lengths, texts = [], [], []

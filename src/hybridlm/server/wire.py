@@ -8,7 +8,7 @@ parameter and what was expected, sent as OpenAI sends it:
 
 Fields that OpenAI defines and this server does not act on (user, metadata, store, ...) are
 accepted and ignored, as OpenAI-compatible servers do; parameters whose effect it cannot give
-(a non-zero frequency penalty, logit_bias, images) are refused rather than silently ignored.
+(images, insertion suffixes) are refused rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def _union_branch(part) -> bool:
 
 def parse_chat(raw) -> ChatBody:
     body = parse_body(raw, ChatBody)
-    _refuse_unsupported(body)
+    _check_sampling(body)
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
         raise invalid("max_tokens and max_completion_tokens differ; give one", param="max_completion_tokens")
@@ -208,7 +208,7 @@ def parse_chat(raw) -> ChatBody:
 
 def parse_completion(raw) -> CompletionBody:
     body = parse_body(raw, CompletionBody)
-    _refuse_unsupported(body)
+    _check_sampling(body)
     if body.suffix:
         raise invalid("suffix (insertion) is not supported by this model", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -242,12 +242,16 @@ def stop_list(stop) -> tuple[str, ...]:
     return stops
 
 
-def _refuse_unsupported(body: _Sampling) -> None:
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(body, name):
-            raise invalid(f"{name} other than 0 is not supported", param=name)
-    if body.logit_bias:
-        raise invalid("logit_bias is not supported", param="logit_bias")
+MAX_BIAS = 100  # OpenAI's bound on a logit bias
+
+
+def _check_sampling(body: _Sampling) -> None:
+    for key, bias in (body.logit_bias or {}).items():
+        if not key.isdigit():
+            raise invalid(f"logit_bias key {key!r}: expected a token id (digits)", param="logit_bias")
+        if not -MAX_BIAS <= bias <= MAX_BIAS:
+            raise invalid(f"logit_bias for token {key}: {bias} is outside [-{MAX_BIAS}, {MAX_BIAS}]",
+                          param="logit_bias")
     stop_list(body.stop)
 
 
