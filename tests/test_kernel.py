@@ -94,6 +94,7 @@ def test_a_zero_probability_token_is_never_drawn_and_rows_draw_alone():
         ({"frequency_penalty": float("nan")}, "frequency penalty"),
         ({"presence_penalty": "1"}, "presence penalty"),
         ({"logit_bias": {"x": 1.0}}, "logit bias key 'x'"),
+        ({"logit_bias": {"\u00b2": 1.0}}, "logit bias key"),
         ({"logit_bias": {-3: 1.0}}, "logit bias key -3"),
         ({"logit_bias": {5: float("inf")}}, "token 5"),
         ({"logit_bias": [(1, 2, 3)]}, "pair"),

@@ -371,6 +371,7 @@ def test_response_format_holds_beside_tools_that_may_not_be_called(client):
     (dict(messages=[{"role": "tool", "content": "5"}]), 400, None, None),
     (dict(frequency_penalty=2.5), 400, "frequency_penalty", None),
     (dict(logit_bias={"hello": 1}), 400, "logit_bias", None),
+    (dict(logit_bias={"\u00b2": 1}), 400, "logit_bias", None),
     (dict(logit_bias={"13": 101}), 400, "logit_bias", None),
     (dict(logit_bias={"49152": -100}), 400, "logit_bias", None),
     (dict(stop=["a", "b", "c", "d", "e"]), 400, "stop", None),

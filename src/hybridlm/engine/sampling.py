@@ -152,7 +152,7 @@ def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
         if len(item) != 2:
             raise InputError(f"logit bias entry {item!r}: expected a (token id, bias) pair")
         token, b = item
-        if isinstance(token, str) and token.strip().isdigit():
+        if isinstance(token, str) and token.strip().isascii() and token.strip().isdigit():
             token = int(token)
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise InputError(f"logit bias key {token!r}: expected a token id (an integer ≥ 0)")

@@ -247,7 +247,7 @@ MAX_BIAS = 100  # OpenAI's bound on a logit bias
 
 def _check_sampling(body: _Sampling) -> None:
     for key, bias in (body.logit_bias or {}).items():
-        if not key.isdigit():
+        if not (key.isascii() and key.isdigit()):
             raise invalid(f"logit_bias key {key!r}: expected a token id (digits)", param="logit_bias")
         if not -MAX_BIAS <= bias <= MAX_BIAS:
             raise invalid(f"logit_bias for token {key}: {bias} is outside [-{MAX_BIAS}, {MAX_BIAS}]",
