@@ -301,6 +301,10 @@ def test_server_side_tools_run_the_agents_jump_map(smollm2):
         events = arc_events(url, ext["arcs"][0])
         leave = [e for e in events if e["event"] == "batch" and e["action"] == "leave"]
         assert len(leave) == len(ref.jumps) and all(e["reason"] == "q_E" for e in leave)
+        # a structured reply asked of a server with tools of its own: they are not offered
+        r = c.chat.completions.create(model=MODEL, messages=ask("A number, as JSON."), max_tokens=24,
+                                      temperature=0, response_format={"type": "json_object"})
+        assert isinstance(json.loads(r.choices[0].message.content), dict) and not r.model_extra["hybridlm"].get("jumps")
 
 
 def test_server_side_mcp_tool_is_a_jump_of_the_request(smollm2):
@@ -346,6 +350,17 @@ def test_response_format_json_schema_validates(client, stream):
     jsonschema.validate(json.loads(text), schema)
 
 
+@pytest.mark.parametrize("max_tokens", [1, 3, 6])
+def test_a_call_cut_by_max_tokens_leaks_no_markup(client, max_tokens):
+    r = client.chat.completions.create(model=MODEL, messages=ask("Weather in Paris?"), tools=[WEATHER],
+                                       tool_choice="required", max_tokens=max_tokens, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and "<" not in (choice.message.content or "")
+    stream = client.chat.completions.create(model=MODEL, messages=ask("Weather in Paris?"), tools=[WEATHER],
+                                            tool_choice="required", max_tokens=max_tokens, temperature=0, stream=True)
+    assert "<" not in "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
 def test_response_format_holds_beside_tools_that_may_not_be_called(client):
     schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
               "additionalProperties": False}
@@ -375,6 +390,22 @@ def test_response_format_holds_beside_tools_that_may_not_be_called(client):
     (dict(logit_bias={"13": 101}), 400, "logit_bias", None),
     (dict(logit_bias={"49152": -100}), 400, "logit_bias", None),
     (dict(stop=["a", "b", "c", "d", "e"]), 400, "stop", None),
+    (dict(temperature=True), 400, "temperature", None),
+    (dict(n=17), 400, "n", None),
+    (dict(logit_bias={"9" * 5000: 1}), 400, "logit_bias", None),
+    (dict(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400, "messages[0].content", None),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]), 400,
+     "tools[0].function.parameters", None),
+    # OpenAI's rule for calls in the history: each tool message answers a call just made, each call is answered
+    (dict(messages=ask("hi") + [{"role": "tool", "tool_call_id": "x", "content": "1"}]), 400,
+     "messages[1].tool_call_id", None),
+    (dict(messages=ask("hi") + [{"role": "assistant", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}] + ask("and?"),
+        tools=[WEATHER]), 400, "messages[1].tool_calls", None),
+    (dict(messages=ask("hi") + [{"role": "assistant", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "b", "content": "1"}], tools=[WEATHER]), 400, "messages[2].tool_call_id",
+     None),
 ])
 def test_bad_requests_get_openai_errors(client, kwargs, status, param, code):
     request = dict(model=MODEL, messages=ask("hi"), max_tokens=4) | kwargs
@@ -410,6 +441,36 @@ def test_bodies_that_are_not_requests(served):
     assert status == 404 and out["error"]["code"] == "arc_not_found"
     status, out = raw(url, "GET", "/v1/nowhere")
     assert status == 404 and "error" in out
+    # JSON can escape a lone UTF-16 surrogate, which is no text: 400 naming where, never a 500
+    for path, body in (("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": '
+                                                 b'"a\\ud800b"}], "max_tokens": 2}'),
+                       ("/v1/completions", b'{"model": "%s", "prompt": ["ok", "\\udfff"], "max_tokens": 2}')):
+        status, out = raw(url, "POST", path, body.replace(b"%s", MODEL.encode()))
+        assert status == 400 and "surrogate" in out["error"]["message"], out
+        assert out["error"]["param"] in ("messages[0].content", "prompt[1]"), out
+    status, out = raw(url, "POST", "/v1/chat/completions",
+                      json.dumps({"model": MODEL, "messages": ask("hi"), "temperature": float("nan")}).encode())
+    assert status == 400 and out["error"]["param"] == "temperature", out
+    status, out = raw(url, "POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": [True, False]}).encode())
+    assert status == 400 and out["error"]["param"] == "prompt", out
+    status, out = raw(url, "POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "word " * 9000}).encode())
+    assert status == 400 and out["error"]["param"] == "prompt", out
+    assert out["error"]["code"] == "context_length_exceeded"
+    status, _ = raw(url, "HEAD", "/health")
+    assert status == 200
+
+
+def test_metrics_label_routes_not_raw_paths(served):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, _ = served
+    for junk in ("a1", "b2", "c3"):
+        assert raw(url, "GET", f"/v1/arcs/{junk}")[0] == 404
+    with urllib.request.urlopen(f"{base(url)}/metrics") as r:
+        text = r.read().decode()
+    endpoints = {s.labels["endpoint"] for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name.startswith("hybridlm_requests")}
+    assert "/v1/arcs/{arc_id}" in endpoints and not any(e.endswith(("a1", "b2", "c3")) for e in endpoints)
 
 
 @pytest.fixture(scope="module")
@@ -440,6 +501,9 @@ def test_api_key_body_limit_and_overload(strict):
         c.chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=2)
     assert info.value.status_code == 503 and info.value.body["code"] == "overloaded"
     assert info.value.response.headers["retry-after"] == "1"
+    with pytest.raises(openai.BadRequestError) as info:  # more than it could ever hold: no retry helps
+        c.chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=2, n=2)
+    assert info.value.body["param"] == "n" and info.value.body["code"] == "too_many_sequences"
     stream.close()
     wait_until(lambda: service.in_flight == 0)
     assert c.chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=2).choices

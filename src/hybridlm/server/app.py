@@ -37,13 +37,20 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
     app.state.service, app.state.metrics = service, metrics
 
     # ------------------------------------------------------------------ errors in OpenAI's shape
+    def endpoint(request: Request) -> str:
+        """The route's template (/v1/arcs/{arc_id}), never the raw path: a label per arc id would
+        grow the metrics without bound."""
+        route = request.scope.get("route")
+        return getattr(route, "path", None) or "unmatched"
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        metrics.request(request.url.path, exc.status)
+        metrics.request(endpoint(request), exc.status)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
+        metrics.request(endpoint(request), exc.status_code)
         kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
         message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
         return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
@@ -52,7 +59,7 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception):
         log.exception("request failed")
-        metrics.request(request.url.path, 500)
+        metrics.request(endpoint(request), 500)
         return JSONResponse({"error": {"message": f"internal error: {type(exc).__name__}: {exc}"[:500],
                                        "type": "server_error", "param": None, "code": None}}, status_code=500)
 
@@ -81,7 +88,7 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
         return b"".join(chunks)
 
     # ------------------------------------------------------------------ health, metrics, models
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not service.alive:
             return JSONResponse({"status": "error", "reason": "the engine thread is not running"}, status_code=503)
@@ -139,18 +146,18 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
             service.counters.prompt_tokens += sum(prep.prompt_tokens)
         headers = {"X-Hybridlm-Arcs": ",".join(s.name for s in prep.sequences)}
         if prep.stream:
-            metrics.request(request.url.path, 200)
+            metrics.request(endpoint(request), 200)
             return StreamingResponse(stream(prep, queue, service, metrics.ttft), media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         if not await H.wait_all(prep, queue, service, request.is_disconnected):
-            metrics.request(request.url.path, 499)
+            metrics.request(endpoint(request), 499)
             return Response(status_code=499)
         for s in prep.sequences:
             delay = H.first_token_delay(prep, s)
             if delay is not None:
                 metrics.ttft(delay)
         body = respond(prep, service)
-        metrics.request(request.url.path, 200)
+        metrics.request(endpoint(request), 200)
         return JSONResponse(body, headers=headers)
 
     @app.post("/v1/chat/completions")

@@ -269,7 +269,7 @@ def render(turns: list[str], *, final: bool, stops: tuple[str, ...] = (), client
     last = len(turns) - 1
     for j, text in enumerate(turns):
         free, _, _ = text.partition(OPEN)
-        if not final and j == last and OPEN not in text and calls_possible:
+        if j == last and OPEN not in text and calls_possible:  # a call's opening cut short is not content
             free = free[: len(free) - _partial(free, (OPEN,))]
         content += free
     for stop in stops:

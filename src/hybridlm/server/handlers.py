@@ -88,17 +88,17 @@ def _seeds(body) -> list[int]:
     return [(base + i) % 2**64 for i in range(body.n)]
 
 
-def _budget(service: Service, n_prompt: int, asked: int | None, param: str) -> int:
+def _budget(service: Service, n_prompt: int, asked: int | None, param: str, prompt: str = "messages") -> int:
     T = service.model.config.n_ctx
     if n_prompt >= T:
-        raise invalid(f"This model's maximum context length is {T} tokens. However, your messages resulted in "
-                      f"{n_prompt} tokens.", param="messages", code="context_length_exceeded")
+        raise invalid(f"This model's maximum context length is {T} tokens. However, your {prompt} resulted in "
+                      f"{n_prompt} tokens.", param=prompt, code="context_length_exceeded")
     if asked is None:
         return T - n_prompt
     if n_prompt + asked > T:
         raise invalid(f"This model's maximum context length is {T} tokens. However, you requested "
-                      f"{n_prompt + asked} tokens ({n_prompt} in the messages, {asked} in the completion). "
-                      "Please reduce the length of the messages or completion.", param=param,
+                      f"{n_prompt + asked} tokens ({n_prompt} in the {prompt}, {asked} in the completion). "
+                      f"Please reduce the length of the {prompt} or completion.", param=param,
                       code="context_length_exceeded")
     return asked
 
@@ -110,7 +110,11 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
         raise invalid(f"the model {service.model_id} has no chat template; use /v1/completions", param="messages")
     client = [{"name": t.function.name, "description": t.function.description, "parameters": t.function.parameters}
               for t in body.tools or []]
-    server = [] if body.tools is not None or service.tools is None else [t.schema() for t in service.tools]
+    # The server's own tools are offered when the client names none, unless it asks for a structured
+    # reply: response_format and callable tools exclude each other.
+    wants_format = body.response_format is not None and body.response_format.type != "text"
+    server = [] if body.tools is not None or service.tools is None or (wants_format and body.tool_choice is None) \
+        else [t.schema() for t in service.tools]
     offered = client or server
     choice = body.tool_choice
     if choice is None:
@@ -216,7 +220,7 @@ def prepare_completion(service: Service, body: CompletionBody) -> Prepared:
             ids, text = list(prompt), tok.decode(prompt)
         if not ids:
             raise invalid(f"prompt[{p}] encodes to no tokens", param="prompt")
-        budget = _budget(service, len(ids), body.max_tokens, "max_tokens")
+        budget = _budget(service, len(ids), body.max_tokens, "max_tokens", prompt="prompt")
         for i, seed in enumerate(_seeds(body)):
             s = sequence(model, ids, kernel=kernel, max_new_tokens=budget, seed=seed, stop_ids=stop_ids, stop=stops,
                          name=f"{ident}-{len(seqs)}")
@@ -542,5 +546,9 @@ def first_token_delay(prep: Prepared, s: ArcState) -> float | None:
 
 
 def dtype_name(model) -> str:
+    """The precision the model runs at (int4, int8, bfloat16, float32), else its embedding's dtype."""
+    precision = getattr(model, "precision", None)
+    if isinstance(precision, str):
+        return precision
     W = getattr(model, "W_e", None)
     return str(W.dtype).removeprefix("torch.") if isinstance(W, torch.Tensor) else "?"

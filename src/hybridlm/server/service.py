@@ -222,9 +222,15 @@ class Service:
 
     # ------------------------------------------------------------------ the population
     def submit(self, sequences: list[ArcState]) -> None:
-        """Sequences join (all or none): 503 when the batch and the queue are full."""
+        """Sequences join (all or none): 503 when the batch and the queue are full now, 400 when they
+        could never hold the request."""
+        capacity = self.max_batch + self.max_queue
+        if len(sequences) > capacity:  # never admissible: not worth a retry
+            raise APIError(400, f"the request makes {len(sequences)} sequences (prompts × n); this server holds at "
+                                f"most {capacity} (max_batch {self.max_batch} + max_queue {self.max_queue})",
+                           param="n", code="too_many_sequences")
         with self._lock:
-            if self._in_flight + len(sequences) > self.max_batch + self.max_queue:
+            if self._in_flight + len(sequences) > capacity:
                 raise APIError(503, f"the server is at capacity ({self._in_flight} sequences running or queued, "
                                     f"max_batch {self.max_batch} + max_queue {self.max_queue}); retry later",
                                type="server_error", code="overloaded", headers={"Retry-After": "1"})

@@ -14,14 +14,19 @@ accepted and ignored, as OpenAI-compatible servers do; parameters whose effect i
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict
 
 MAX_N = 16  # choices per request
 MAX_STOP = 4  # stop strings (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20
+
+# Numbers and flags as JSON writes them: `true` is not 1 and "0.7" is not 0.7 (OpenAI refuses both).
+Int = Annotated[int, Strict()]
+Num = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+Flag = Annotated[bool, Strict()]
 
 
 class APIError(Exception):
@@ -103,22 +108,22 @@ class ResponseFormat(_Strict):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: Flag = False
 
 
 class _Sampling(_Body):
     model: str
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=1)  # an extension (llama.cpp and vLLM accept it)
-    seed: int | None = Field(default=None, ge=0, le=2**64 - 1)
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    temperature: Num | None = Field(default=None, ge=0, le=2)
+    top_p: Num | None = Field(default=None, gt=0, le=1)
+    top_k: Int | None = Field(default=None, ge=1)  # an extension (llama.cpp and vLLM accept it)
+    seed: Int | None = Field(default=None, ge=0, le=2**64 - 1)
+    n: Int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: Flag = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: Num | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: Num | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, Num] | None = None
     user: str | None = None
 
 
@@ -126,21 +131,21 @@ class ChatBody(_Sampling):
     messages: list[Message] = Field(min_length=1)
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["auto", "required", "none"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: Flag | None = None
     response_format: ResponseFormat | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tokens: Int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
+    logprobs: Flag = False
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class CompletionBody(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=0)
-    logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: bool = False
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = Field(default=16, ge=0)
+    logprobs: Int | None = Field(default=None, ge=0, le=5)
+    echo: Flag = False
     suffix: str | None = None
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: Int | None = Field(default=None, ge=1)
 
 
 # ---------------------------------------------------------------------- parsing
@@ -157,12 +162,36 @@ def parse_body(raw: bytes | str | dict, cls: type[BaseModel]) -> BaseModel:
         data = raw
     if not isinstance(data, dict):
         raise invalid(f"the request body must be a JSON object, got a JSON {type(data).__name__}")
+    where = _lone_surrogate(data)
+    if where is not None:
+        raise invalid(f"'{where}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair): "
+                      "not text", param=where or None)
     try:
         return cls.model_validate(data)
     except pydantic.ValidationError as exc:
         raise _validation_error(exc) from None
     except RecursionError:
         raise invalid("the request body is nested too deeply to be a request") from None
+
+
+def _lone_surrogate(data) -> str | None:
+    """Where in the body a string (or key) holds a lone surrogate, which JSON's \\u escapes can write
+    and no encoder can turn into text; None when there is none."""
+    stack = [(data, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, str):
+            if not node.isascii() and any("\ud800" <= ch <= "\udfff" for ch in node):
+                return path
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                here = f"{path}.{key}" if path else str(key)
+                if not key.isascii() and any("\ud800" <= ch <= "\udfff" for ch in key):
+                    return path
+                stack.append((value, here))
+        elif isinstance(node, list):
+            stack.extend((value, f"{path}[{i}]") for i, value in enumerate(node))
+    return None
 
 
 def _validation_error(exc: pydantic.ValidationError) -> APIError:
@@ -196,10 +225,16 @@ def parse_chat(raw) -> ChatBody:
         raise invalid("stream_options is only allowed with stream: true", param="stream_options")
     for i, m in enumerate(body.messages):
         _check_message(m, i)
+    _check_tool_turns(body.messages)
     if body.tools is not None:
         names = [t.function.name for t in body.tools]
         if len(set(names)) != len(names):
             raise invalid(f"tool names must be unique, got {names}", param="tools")
+        for i, t in enumerate(body.tools):
+            kind = t.function.parameters.get("type", "object")
+            if kind != "object":
+                raise invalid(f"tools[{i}] ({t.function.name}): parameters must be a JSON Schema of type object, "
+                              f"got type {json.dumps(kind)[:40]}", param=f"tools[{i}].function.parameters")
     rf = body.response_format
     if rf is not None and rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
         raise invalid("response_format of type json_schema needs json_schema.schema", param="response_format")
@@ -209,6 +244,8 @@ def parse_chat(raw) -> ChatBody:
 def parse_completion(raw) -> CompletionBody:
     body = parse_body(raw, CompletionBody)
     _check_sampling(body)
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options is only allowed with stream: true", param="stream_options")
     if body.suffix:
         raise invalid("suffix (insertion) is not supported by this model", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -243,12 +280,14 @@ def stop_list(stop) -> tuple[str, ...]:
 
 
 MAX_BIAS = 100  # OpenAI's bound on a logit bias
+MAX_ID_DIGITS = 9  # a token id has fewer digits than this (vocabularies are far below 10⁹)
 
 
 def _check_sampling(body: _Sampling) -> None:
     for key, bias in (body.logit_bias or {}).items():
-        if not (key.isascii() and key.isdigit()):
-            raise invalid(f"logit_bias key {key!r}: expected a token id (digits)", param="logit_bias")
+        if not (key.isascii() and key.isdigit()) or len(key) > MAX_ID_DIGITS:
+            raise invalid(f"logit_bias key {key[:24]!r}: expected a token id (at most {MAX_ID_DIGITS} digits)",
+                          param="logit_bias")
         if not -MAX_BIAS <= bias <= MAX_BIAS:
             raise invalid(f"logit_bias for token {key}: {bias} is outside [-{MAX_BIAS}, {MAX_BIAS}]",
                           param="logit_bias")
@@ -259,9 +298,12 @@ def _check_message(m: Message, i: int) -> None:
     where = f"messages[{i}]"
     if isinstance(m.content, list):
         for j, part in enumerate(m.content):
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if part.get("type") != "text":
                 raise invalid(f"{where}.content[{j}]: only text parts are supported, got type {part.get('type')!r}",
                               param=f"{where}.content")
+            if not isinstance(part.get("text"), str):
+                raise invalid(f"{where}.content[{j}]: a text part needs 'text' (a string), got "
+                              f"{json.dumps(part.get('text'))[:40]}", param=f"{where}.content")
     if m.role == "tool" and not m.tool_call_id:
         raise invalid(f"{where}: a tool message needs tool_call_id", param=f"{where}.tool_call_id")
     if m.role != "assistant" and m.tool_calls:
@@ -269,6 +311,37 @@ def _check_message(m: Message, i: int) -> None:
     if m.role in ("system", "developer", "user", "tool") and m.content is None:
         raise invalid(f"{where}: a {m.role} message needs content", param=f"{where}.content")
     # (a call's arguments in the history are taken as written: a call cut by max_tokens is not JSON)
+
+
+def _check_tool_turns(messages: list[Message]) -> None:
+    """OpenAI's rule for a conversation with calls: every tool message answers a call of the
+    assistant message before its run of tool messages, and every such call is answered before the
+    conversation goes on (or ends)."""
+    open_calls: list[str] = []  # calls of the last assistant message not yet answered
+    opened_at = -1
+    for i, m in enumerate(messages):
+        if m.role == "tool":
+            if m.tool_call_id not in open_calls:
+                what = "no preceding assistant message has tool_calls" if opened_at < 0 else \
+                    f"messages[{opened_at}] has no unanswered call with that id"
+                raise invalid(f"messages[{i}]: a tool message must answer a call of the assistant message before "
+                              f"it; tool_call_id {m.tool_call_id[:40]!r}: {what}", param=f"messages[{i}].tool_call_id")
+            open_calls.remove(m.tool_call_id)
+            continue
+        if open_calls:
+            raise _unanswered(opened_at, open_calls)
+        if m.role == "assistant" and m.tool_calls:
+            open_calls, opened_at = [c.id for c in m.tool_calls], i
+        else:
+            opened_at = -1
+    if open_calls:
+        raise _unanswered(opened_at, open_calls)
+
+
+def _unanswered(at: int, ids: list[str]) -> APIError:
+    return invalid(f"messages[{at}]: an assistant message with tool_calls must be followed by tool messages "
+                   f"answering each call; unanswered: {', '.join(repr(i[:40]) for i in ids[:4])}",
+                   param=f"messages[{at}].tool_calls")
 
 
 def text_of(content) -> str:
