@@ -153,3 +153,22 @@ def test_cold_first_call_shows_progress_once(tmp_path):
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     assert "cache" not in second.stderr and "tensors" not in second.stderr
+
+
+def test_generate_under_a_json_schema(run, tmp_path):
+    """The output validates with jsonschema; a budget too small for any value is refused in one line."""
+    import jsonschema
+
+    keys = [f"field_{i}" for i in range(8)]
+    schema = {"type": "object", "properties": {k: {"type": "integer"} for k in keys}, "required": keys,
+              "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    r = run("A record:", "--json-schema", str(path), "-n", "3", model=False)
+    assert r.exit_code == 2 and "\n" not in r.output.strip(), r.output
+    assert "--max-new-tokens 3 cannot hold a value of the --json-schema constraint" in r.output
+    r = run("A record:", "--json-schema", str(path), "-n", "80", "--seed", "1", "--json", model=False)
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["constraint_complete"] is True
+    jsonschema.validate(json.loads(out["text"]), schema)

@@ -432,3 +432,145 @@ def test_tool_schemas_that_refer_into_themselves_are_constrained(smol):
             c.advance(int(torch.multinomial(torch.softmax(z, -1), 1, generator=g)))
         (call,) = c.calls()
         jsonschema.validate(call.arguments, box if call.name == "area" else tools[1]["parameters"])
+
+
+# ---------------------------------------------------------------------- the budget on long completions
+def _quote_bias(tok):
+    """Logits that never want a quote: a model that would write every string forever."""
+    texts = tok.table.texts
+    quote = torch.tensor(['"' in s for s in texts] + [False] * (tok.vocab_size - len(texts)))
+    return torch.where(quote, -30.0, 5.0)
+
+
+def test_many_required_keys_are_closed_within_the_budget(smol):
+    """The shortest completion of twelve required string keys is long; the witness must be
+    checked early enough that the budget still holds all of them."""
+    keys = [f"field_{i}" for i in range(12)]
+    schema = {"type": "object", "properties": {k: {"type": "string"} for k in keys}, "required": keys,
+              "additionalProperties": False}
+    bias = _quote_bias(smol)
+    for seed, budget in ((0, 160), (1, 256), (2, 256)):
+        c = json_schema_constraint(smol, schema, budget=budget, vocab_size=smol.vocab_size)
+        tokens = sample(c, smol.vocab_size, seed, steps=budget + 1, bias=bias)
+        assert c.finished and len(tokens) <= budget
+        jsonschema.validate(json.loads(c.text), schema)
+
+
+@pytest.mark.parametrize("fmt", ["email", "uri", "hostname"])
+def test_formats_are_closed_within_the_budget(smol, fmt):
+    """A closing quote is one more character inside an e-mail's local part: the witness must
+    reach the separators ("@", ".", ":") the format needs before the value can end."""
+    schema = {"type": "object", "properties": {"v": {"type": "string", "format": fmt}}, "required": ["v"]}
+    bias = _quote_bias(smol)
+    for seed in range(4):
+        c = json_schema_constraint(smol, schema, budget=64, vocab_size=smol.vocab_size)
+        tokens = sample(c, smol.vocab_size, seed, steps=65, bias=bias)
+        assert c.finished and len(tokens) <= 64, (fmt, seed, c.text)
+        value = json.loads(c.text)["v"]
+        if fmt == "email":
+            assert value.count("@") == 1 and not value.startswith("@")
+
+
+def test_shortest_completion_counts_the_tokens_still_needed(smol):
+    keys = [f"k{i}" for i in range(6)]
+    schema = {"type": "object", "properties": {k: {"type": "integer"} for k in keys}, "required": keys,
+              "additionalProperties": False}
+    c = json_schema_constraint(smol, schema, vocab_size=smol.vocab_size)
+    shortest = c.shortest_completion()
+    smallest = json.dumps({k: 0 for k in keys})  # the separators the constraint writes
+    # every token holds at least one character; the stop token is one more
+    assert len(keys) <= shortest <= len(smallest) + 1
+    from hybridlm.constraints import closing_witness
+
+    witness = closing_witness(c.matcher, c.lib, limit=shortest)
+    assert len(witness) == shortest
+    feed(c, witness)  # the witness is a completion the mask allows, token by token
+    assert c.finished
+    c = json_schema_constraint(smol, schema, vocab_size=smol.vocab_size)
+    feed(c, smol.encode(json.dumps({k: 7 for k in keys})))
+    assert c.shortest_completion() <= 1
+
+
+# ---------------------------------------------------------------------- calls and schemas at the edges
+def test_a_string_argument_may_hold_the_closing_tag(smol):
+    tools = [{"name": "say", "parameters": {"type": "object", "properties": {"s": {"type": "string"}},
+                                            "required": ["s"]}}]
+    arguments = {"s": f"write {CLOSE} then {OPEN} literally"}
+    text = call("say", arguments)
+    calls, error = parse_calls(text, ["say"])
+    assert error is None and calls[0].arguments == arguments
+    c = tool_call_constraint(smol, tools, "required")
+    ids = smol.encode(text)
+    feed(c, ids[:-1])
+    assert c.in_call
+    feed(c, ids[-1:])
+    assert not c.in_call and c.calls()[0].arguments == arguments
+    from hybridlm.constraints import call_is_open
+
+    assert call_is_open(text[: text.index("literally")]) and not call_is_open(text)
+
+
+def test_tool_parameters_must_be_an_object_schema(smol):
+    with pytest.raises(InputError, match="tool f: parameters must be a schema of type object"):
+        tool_call_constraint(smol, [{"name": "f", "parameters": {"type": "string"}}], "required")
+
+
+def test_a_required_key_without_a_description_is_still_writable(smol):
+    params = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]}
+    tools = [{"name": "f", "parameters": params}]
+    c = tool_call_constraint(smol, tools, "required")
+    feed(c, smol.encode(call("f", {"a": "x", "b": [1, 2]})))
+    assert c.finished and c.calls()[0].arguments == {"a": "x", "b": [1, 2]}
+    for seed in range(3):
+        c = tool_call_constraint(smol, tools, "required", budget=80, vocab_size=smol.vocab_size)
+        sample(c, smol.vocab_size, seed)
+        jsonschema.validate(c.calls()[0].arguments, params)
+
+
+def test_boolean_schemas(smol):
+    c = json_schema_constraint(smol, True, budget=40, vocab_size=smol.vocab_size)
+    sample(c, smol.vocab_size, 0, steps=41)
+    json.loads(c.text)
+    with pytest.raises(InputError, match="admits no value"):
+        json_schema_constraint(smol, False)
+
+
+@pytest.mark.parametrize("bounds", [
+    {"type": "integer", "minimum": -2**63, "maximum": 2**63 - 1},  # int64, as Rust and protobuf schemas say
+    {"type": "integer", "minimum": 0, "maximum": 2**64 - 1},  # uint64: beyond what 64-bit signed reads
+    {"type": "integer", "minimum": -(2**53 - 1), "maximum": 2**53 - 1},  # what zod writes for .int()
+    {"type": "integer", "exclusiveMinimum": -(2**63)},
+    {"type": "number", "minimum": -1.7976931348623157e308, "maximum": 1.7976931348623157e308},
+    {"type": ["integer", "null"], "minimum": -2**63},
+])
+def test_bounds_at_the_edges_of_64_bits_compile_and_hold(smol, bounds):
+    """The library cannot write bounds of 19 digits; they are tightened, never loosened, so every
+    sampled value still validates against the schema as written."""
+    schema = {"type": "object", "properties": {"n": bounds}, "required": ["n"]}
+    for seed in range(3):
+        c = json_schema_constraint(smol, schema, budget=60, vocab_size=smol.vocab_size)
+        sample(c, smol.vocab_size, seed, steps=61)
+        assert c.finished
+        jsonschema.validate(json.loads(c.text), schema)
+    c = json_schema_constraint(smol, schema, vocab_size=smol.vocab_size)
+    feed(c, smol.encode('{"n": -12345}' if "exclusiveMinimum" in bounds or bounds.get("minimum", -1) < 0
+                        else '{"n": 12345}'))
+    assert c.accepting
+
+
+def test_bounds_the_library_cannot_hold_are_one_line(smol):
+    with pytest.raises(InputError, match=r"schema\.properties\.n\.minimum is 1e\+20"):
+        json_schema_constraint(smol, {"type": "object", "properties": {"n": {"type": "integer", "minimum": 10**20}}})
+    with pytest.raises(InputError, match=r"schema\.maximum is nan, not a finite number"):
+        json_schema_constraint(smol, {"type": "number", "maximum": float("nan")})
+
+
+def test_library_errors_are_one_line_with_their_cause(smol):
+    with pytest.raises(InputError) as err:
+        json_schema_constraint(smol, {"type": "string", "pattern": "(?<=a)b"})
+    message = str(err.value)  # the library's second line says why
+    assert "\n" not in message and "look-around" in message and "not supported" in message
+    with pytest.raises(InputError) as err:
+        json_schema_constraint(smol, {"oneOf": [{"type": "number"}, {"type": "integer"}]})  # overlapping
+    assert "oneOf" in str(err.value) and "Write anyOf instead" in str(err.value)  # not a library option
+    assert "coerce_one_of" not in str(err.value) and "\n" not in str(err.value)

@@ -202,7 +202,13 @@ def _constraint(source, model, budget: int):
         raise InputError(f"model {model.source} has no tokenizer: a constraint needs one")
     kind, value = source
     build = {"json_schema": json_schema_constraint, "regex": regex_constraint, "grammar": grammar_constraint}[kind]
-    return build(model.tokenizer, value, budget=max(budget, 1), vocab_size=model.config.vocab_size)
+    constraint = build(model.tokenizer, value, budget=max(budget, 1), vocab_size=model.config.vocab_size)
+    shortest = constraint.shortest_completion()
+    if shortest is not None and shortest > budget:
+        flag = {"json_schema": "--json-schema", "regex": "--regex", "grammar": "--grammar"}[kind]
+        raise InputError(f"--max-new-tokens {budget} cannot hold a value of the {flag} constraint: its shortest "
+                         f"completion found takes {shortest} tokens")
+    return constraint
 
 
 def _precision_option(default: str):
@@ -306,6 +312,8 @@ def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top
             "wall_s": round(gen_s, 3),
             "tokens_per_s": round(len(steps) / gen_s, 2) if steps and gen_s > 0 else None,
         }
+        if constraint is not None:
+            out["constraint_complete"] = constraint.accepting
         if controllers:
             out["control"] = _control_summary(controllers, [list(s.control) for s in steps])
         click.echo(json.dumps(out, ensure_ascii=False))
@@ -323,6 +331,9 @@ def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top
             c = _control_summary(controllers, [list(s.control) for s in steps])
             click.echo(f"[control: {c['steps_filtered']} steps filtered, removed mass {c['removed_mass_total']:.3f} "
                        f"in total, {c['no_safe_steps']} steps with no safe token]", err=True)
+        if constraint is not None and not constraint.accepting:
+            click.echo("[warning: the output ends before the constraint's value is complete "
+                       f"({s.arc.termination.value})]", err=True)
 
 
 def _mcp_options(fn):

@@ -31,7 +31,7 @@ import torch
 
 from hybridlm.agent.protocol import Protocol
 from hybridlm.agent.tools import Observation, Tool, ToolRegistry
-from hybridlm.constraints import CLOSE, OPEN, parse_calls, tool_call_constraint
+from hybridlm.constraints import CLOSE, OPEN, call_is_open, parse_calls, tool_call_constraint
 from hybridlm.engine.arc import HybridArc, Termination
 from hybridlm.engine.engine import Engine
 from hybridlm.engine.inputs import ControlLoop
@@ -110,12 +110,12 @@ class FreeTurn:
 
     @property
     def in_call(self) -> bool:
-        text = self.text
-        return text.rfind(OPEN) > text.rfind(CLOSE)
+        return call_is_open(self.text)
 
     @property
     def finished(self) -> bool:
-        return self.ended or CLOSE in self.text
+        text = self.text
+        return self.ended or (CLOSE in text and not call_is_open(text))
 
     def parsed(self) -> tuple[list, str | None]:
         return parse_calls(self.text)

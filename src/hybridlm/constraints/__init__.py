@@ -6,7 +6,7 @@ mask() -> bool tensor [V] | None, advance(token), finished, describe().
 """
 
 from hybridlm.constraints.calls import (
-    CLOSE, OPEN, ToolCall, ToolCallConstraint, parse_calls, tool_call_constraint, tool_schema,
+    CLOSE, OPEN, ToolCall, ToolCallConstraint, call_is_open, parse_calls, tool_call_constraint, tool_schema,
 )
 from hybridlm.constraints.grammar import (
     GrammarConstraint, closing_witness, grammar_constraint, json_schema_constraint, regex_constraint,
@@ -14,7 +14,7 @@ from hybridlm.constraints.grammar import (
 from hybridlm.constraints.library import library_tokenizer
 
 __all__ = [
-    "CLOSE", "OPEN", "GrammarConstraint", "ToolCall", "ToolCallConstraint", "closing_witness",
+    "CLOSE", "OPEN", "GrammarConstraint", "ToolCall", "ToolCallConstraint", "call_is_open", "closing_witness",
     "grammar_constraint", "json_schema_constraint", "library_tokenizer", "parse_calls", "regex_constraint",
     "tool_call_constraint", "tool_schema",
 ]

@@ -55,7 +55,7 @@ def _parse(text: str, names: set[str] | None) -> tuple[list[ToolCall], str | Non
         return [], f"no {OPEN} in the text"
     while at >= 0:
         start = at + len(OPEN)
-        end = text.find(CLOSE, start)
+        end = call_end(text, start)
         if end < 0:
             return calls, f"call {len(calls) + 1}: {OPEN} is never closed by {CLOSE}"
         call, error = _one_call(text[start:end], names)
@@ -64,6 +64,36 @@ def _parse(text: str, names: set[str] | None) -> tuple[list[ToolCall], str | Non
         calls.append(call)
         at = text.find(OPEN, end + len(CLOSE))
     return calls, None
+
+
+_decoder = json.JSONDecoder()
+
+
+def call_end(text: str, start: int) -> int:
+    """Where the call whose body starts at `start` is closed: the </tool_call> right after its JSON
+    object (a string in the arguments may hold the tag itself), else the first </tool_call>
+    after `start`; −1 when the call is not closed."""
+    i = start
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    try:
+        _, j = _decoder.raw_decode(text, i)
+    except (ValueError, RecursionError):
+        return text.find(CLOSE, start)
+    while j < len(text) and text[j] in " \t\r\n":
+        j += 1
+    return j if text.startswith(CLOSE, j) else text.find(CLOSE, j)
+
+
+def call_is_open(text: str) -> bool:
+    """The text's last <tool_call> has not been closed yet."""
+    at = text.find(OPEN)
+    while at >= 0:
+        end = call_end(text, at + len(OPEN))
+        if end < 0:
+            return True
+        at = text.find(OPEN, end + len(CLOSE))
+    return False
 
 
 def _one_call(body: str, names: set[str] | None) -> tuple[ToolCall | None, str | None]:
@@ -117,8 +147,7 @@ class ToolCallConstraint(GrammarConstraint):
     @property
     def in_call(self) -> bool:
         """A call is open: the model wrote <tool_call> and has not closed it yet."""
-        text = self.text
-        return text.rfind(OPEN) > text.rfind(CLOSE)
+        return call_is_open(self.text)
 
     def _closing_token(self) -> int | None:
         """The budget closes an open call in time; after a complete call, no further call opens in
@@ -184,6 +213,10 @@ def _specs(tools) -> dict[str, dict]:
             raise InputError(f"tool {_short(t)}: expected a name (a non-empty string)")
         if not isinstance(params, dict):
             raise InputError(f"tool {name}: parameters must be a JSON Schema object, got {_short(params)}")
+        kind = params.get("type", "object")
+        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            raise InputError(f"tool {name}: parameters must be a schema of type object (a call's arguments are "
+                             f"named), got type {_short(kind)}")
         out[name] = params or {"type": "object"}
     return out
 
@@ -204,7 +237,8 @@ def tool_schema(schema, max_string: int | None = None):
 
     Objects that list their properties take no others (a function rejects unknown keyword
     arguments; JSON Schema's default would let a model invent keys), unless the schema says
-    so with additionalProperties or patternProperties; with max_string, every free string
+    so with additionalProperties or patternProperties (a required key missing from the
+    properties is added to them, with any value); with max_string, every free string
     (no enum, const or format) is at most max_string characters.
     """
     if not isinstance(schema, dict):
@@ -225,6 +259,10 @@ def tool_schema(schema, max_string: int | None = None):
         out["maxLength"] = min(out.get("maxLength", max_string), max_string)
     if "properties" in out and not {"additionalProperties", "patternProperties"} & set(out):
         out["additionalProperties"] = False
+        # a required key the properties do not describe stays writable, with any value
+        missing = [k for k in out.get("required") or [] if isinstance(k, str) and k not in out["properties"]]
+        if missing and isinstance(out["properties"], dict):
+            out["properties"] = {**out["properties"], **{k: {} for k in missing}}
     return out
 
 

@@ -4,12 +4,17 @@
 is the set of tokens that can continue a string of the grammar's language, `advance(token)`
 feeds the drawn token to the parser, `finished` says the string is complete.
 
-A token budget makes the constrained text end in time. In the last `TAIL` tokens of the
-budget the constraint computes a closing witness: a short continuation that completes the
-grammar (forced tokens first, then closing characters, then the lowest-numbered allowed
-token), found on a copy of the parser. While the witness fits the remaining budget with a
-margin the model chooses freely; once it no longer does, the witness is what the mask
-allows. A runaway string then ends with its closing quote and the call is still made.
+A token budget makes the constrained text end in time. The constraint computes a closing
+witness: a short continuation that completes the grammar (forced tokens first, then closing
+characters, then separators such as "@" and ".", then the lowest-numbered allowed token),
+found on a copy of the parser. While the witness fits the remaining budget with a margin the
+model chooses freely; once it no longer does, the witness is what the mask allows. A runaway
+string then ends with its closing quote and the call is still made.
+
+The witness costs a parser step per token, so it is not computed at every token: after a
+check that leaves a slack of S tokens the next comes S/2 tokens later (so a schema whose
+shortest completion is long, e.g. many required keys, is still closed in time), and at every
+token in the last `TAIL` tokens of the budget.
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ import torch
 from hybridlm.constraints import library
 from hybridlm.errors import InputError
 
-TAIL = 48  # the witness is computed only in the last TAIL tokens of a budget
+TAIL = 48  # in the last TAIL tokens of a budget the witness is computed at every token
 MARGIN = 8  # free choice while witness + MARGIN < remaining tokens
+WITNESS_CAP = 512  # the longest witness searched for (a longer one is "none yet")
 CLOSERS = '"}], '
+SEPARATORS = "@.:/"  # what a format's value needs between its parts (email, host, uri)
 
 
 class GrammarConstraint:
@@ -43,6 +50,8 @@ class GrammarConstraint:
         self.tokens: list[int] = []
         self._buffer = library.MaskBuffer(self.lib.vocab_size)
         self._forced: int | None = None  # the witness token the last mask allowed alone
+        self._next_check = 0  # the token count at which the closing witness is checked next
+        self._plan: list[int] = []  # the rest of the witness being forced
 
     def fresh(self, budget: int | None | str = "same") -> "GrammarConstraint":
         """The same constraint at its start, sharing the compiled grammar (another turn with the
@@ -55,7 +64,7 @@ class GrammarConstraint:
         new.budget = budget
         new.matcher = self.matcher.deep_copy()
         new.matcher.reset()
-        new.tokens, new._forced = [], None
+        new.tokens, new._forced, new._next_check, new._plan = [], None, 0, []
         new._buffer = library.MaskBuffer(self.lib.vocab_size)
         return new
 
@@ -81,6 +90,7 @@ class GrammarConstraint:
             raise InputError(f"token {token} ({self.lib.dbg_tokens([token])}) does not continue the "
                              f"{self.kind} constraint: {self.matcher.get_error()}")
         self.tokens.append(token)
+        self._plan = self._plan[1:] if self._forced is not None and self._plan[:1] == [token] else []
 
     @property
     def finished(self) -> bool:
@@ -104,6 +114,12 @@ class GrammarConstraint:
         return self.lib.decode_str([t for t in self.tokens if t not in stops])
 
     # ------------------------------------------------------------------ the budget
+    def shortest_completion(self) -> int | None:
+        """Tokens of the closing witness from the current state (an upper bound on the shortest
+        completion), or None when none of at most WITNESS_CAP tokens was found."""
+        witness = closing_witness(self.matcher, self.lib, limit=WITNESS_CAP, before=self.tokens)
+        return None if witness is None else len(witness)
+
     @property
     def remaining(self) -> int | None:
         return None if self.budget is None else self.budget - len(self.tokens)
@@ -111,19 +127,28 @@ class GrammarConstraint:
     def _closing_token(self) -> int | None:
         """The witness's first token when the budget leaves no room for more, else None."""
         left = self.remaining
-        if left is None or left > TAIL or self.finished:
+        if left is None or self.finished:
             return None
-        witness = closing_witness(self.matcher, self.lib, limit=left)
-        if witness is None or len(witness) + MARGIN < left:
+        if self._plan:  # once forcing, the witness is followed to its end (it is what fits)
+            return self._plan[0]
+        if left > TAIL and len(self.tokens) < self._next_check:
             return None
+        witness = closing_witness(self.matcher, self.lib, limit=min(left, WITNESS_CAP), before=self.tokens)
+        slack = (left - TAIL) if witness is None else (left - len(witness) - MARGIN)
+        if slack > 0 or witness is None:
+            self._next_check = len(self.tokens) + max(1, slack // 2)
+            return None
+        self._plan = witness
         return witness[0]
 
 
-def closing_witness(m: llguidance.LLMatcher, lib: llguidance.LLTokenizer, *, limit: int) -> list[int] | None:
+def closing_witness(m: llguidance.LLMatcher, lib: llguidance.LLTokenizer, *, limit: int,
+                    before: list[int] = ()) -> list[int] | None:
     """A short token sequence that completes the grammar from m's state (m is not changed).
 
     None when none of at most `limit` tokens was found. The end-of-sequence token counts as
-    a token where the grammar needs it to stop.
+    a token where the grammar needs it to stop. `before`: the tokens already written (their
+    last two steer the choice between closers and separators).
     """
     m = m.deep_copy()
     buffer = library.MaskBuffer(lib.vocab_size)
@@ -143,7 +168,7 @@ def closing_witness(m: llguidance.LLMatcher, lib: llguidance.LLTokenizer, *, lim
         allowed = buffer.bools()
         if m.is_accepting():
             return out + [lib.eos_token]
-        choice = next((t for t in closers if allowed[t]), None)
+        choice = _progress([*before[-2:], *out], allowed, closers, _separator_ids(lib))
         if choice is None:
             ids = np.flatnonzero(allowed)
             if ids.size == 0:
@@ -152,6 +177,25 @@ def closing_witness(m: llguidance.LLMatcher, lib: llguidance.LLTokenizer, *, lim
         if not m.consume_token(choice):
             return None
         out.append(choice)
+    return out if m.is_stopped() else None  # (a witness of exactly `limit` tokens)
+
+
+def _progress(out: list[int], allowed, closers: list[int], separators: list[int]) -> int | None:
+    """The witness's next token among closers and separators, if one is allowed.
+
+    Closers come first, unless the last two tokens were closers and the text is still open:
+    inside a string a closing character may be one more character of it ("}" in an e-mail's
+    local part), so a separator ("@", ".", ":", "/") is tried first there, one not used yet
+    by preference.
+    """
+    fresh = [t for t in separators if t not in out] + [t for t in separators if t in out and out[-1] != t]
+    groups = (closers, fresh)
+    if len(out) >= 2 and out[-1] in closers and out[-2] in closers:
+        groups = (fresh, closers)
+    for group in groups:
+        for t in group:
+            if allowed[t]:
+                return t
     return None
 
 
@@ -174,6 +218,18 @@ def _closer_ids(lib: llguidance.LLTokenizer) -> list[int]:
         order = sorted(closing, key=lambda p: (not p[1].startswith(b'"'), b"," in p[1], -p[0]))
         _closers[key] = [i for _, _, i in order] + zero
     return _closers[key]
+
+
+_separators: dict[int, list[int]] = {}
+
+
+def _separator_ids(lib: llguidance.LLTokenizer) -> list[int]:
+    """The one-character tokens of SEPARATORS, in that order."""
+    key = id(lib)
+    if key not in _separators:
+        ids = {lib.decode_bytes([i]): i for i in range(lib.vocab_size) if not lib.is_special_token(i)}
+        _separators[key] = [ids[c.encode()] for c in SEPARATORS if c.encode() in ids]
+    return _separators[key]
 
 
 # ---------------------------------------------------------------------- constructors

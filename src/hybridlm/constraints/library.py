@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 import weakref
 
 import llguidance
@@ -62,13 +64,70 @@ def json_grammar(schema: dict | str, *, lenient: bool = False) -> str:
             schema = json.loads(schema)
         except ValueError as exc:
             raise InputError(f"JSON schema: not JSON ({exc})") from None
-    if not isinstance(schema, (dict, bool)):
+    if schema is False:
+        raise InputError("JSON schema: false admits no value")
+    if schema is True:
+        schema = {}
+    if not isinstance(schema, dict):
         raise InputError(f"JSON schema: expected an object, got {type(schema).__name__}")
+    schema = _representable(schema)
     options = {**JSON_FORMAT, "lenient": lenient}
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise InputError(f"JSON schema: {_one_line(exc)}") from None
+
+
+INT64 = 2**63
+# The library writes a bounded number by a regular expression over its digits, and cannot build
+# one for bounds of 19 digits (integers) or beyond 10^15 (numbers). Such bounds are tightened to
+# these: every value the mask admits still satisfies the schema; values of more digits than this
+# are no longer reachable.
+INTEGER_LIMIT = 10**18 - 1
+NUMBER_LIMIT = 10**15
+LOWER, UPPER = ("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")
+DATA = {"const", "enum", "default", "examples"}  # values, not schemas: left as they are
+
+
+def _representable(node, path: str = "schema"):
+    """The schema as the library can read it: integers beyond 64 bits as floats (the library
+    reads numbers as 64-bit values), bounds it cannot write tightened (see INTEGER_LIMIT);
+    InputError for a number that is not finite or a range that lies wholly beyond the limits."""
+    if isinstance(node, dict):
+        out = {k: v if k in DATA else _representable(v, f"{path}.{k}") for k, v in node.items()}
+        return _tightened(out, path)
+    if isinstance(node, list):
+        return [_representable(v, f"{path}[{i}]") for i, v in enumerate(node)]
+    if isinstance(node, bool):
+        return node
+    if isinstance(node, int) and not -INT64 <= node < INT64:
+        return float(node)
+    if isinstance(node, float) and not math.isfinite(node):
+        raise InputError(f"JSON schema: {path} is {node}, not a finite number")
+    return node
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _tightened(node: dict, path: str) -> dict:
+    bounds = [k for k in (*LOWER, *UPPER) if _number(node.get(k))]
+    if not bounds:
+        return node
+    limit = INTEGER_LIMIT if node.get("type") == "integer" else NUMBER_LIMIT
+    out = dict(node)
+    for k in bounds:
+        v, lower = out[k], k in LOWER
+        if (v < -limit) if lower else (v > limit):
+            del out[k]
+            out["minimum" if lower else "maximum"] = -limit if lower else limit
+    for k in bounds:
+        v, lower = node[k], k in LOWER
+        if (v > limit) if lower else (v < -limit):
+            raise InputError(f"JSON schema: {path}.{k} is {node[k]:g}: the constraint library bounds numbers "
+                             f"only within ±{limit:.0e}")
+    return out
 
 
 def lark_grammar(text: str) -> str:
@@ -121,5 +180,9 @@ class MaskBuffer:
 
 
 def _one_line(exc) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    """The library's message on one line: every line that says something (not the carets that
+    point into a pattern), with advice about options this project does not expose rewritten."""
+    lines = [line.strip() for line in str(exc).strip().splitlines()]
+    text = " ".join(line for line in lines if line and set(line) - set("^ "))
+    text = re.sub(r"Enable 'coerce_one_of' option[^.]*", "Write anyOf instead", text)
+    return text or type(exc).__name__

@@ -34,6 +34,7 @@ from hybridlm.agent.automaton import AgentSystem
 from hybridlm.agent.protocol import RESPONSE_CLOSE, RESPONSE_OPEN, Protocol, tools_prompt
 from hybridlm.agent.tools import ToolRegistry
 from hybridlm.constraints import CLOSE, OPEN, json_schema_constraint, tool_call_constraint
+from hybridlm.constraints.calls import call_end
 from hybridlm.engine.arc import Termination
 from hybridlm.server.service import Continuation
 from hybridlm.server.wire import invalid, text_of
@@ -281,9 +282,14 @@ def render(turns: list[str], *, final: bool, stops: tuple[str, ...] = (), client
         content = content.rstrip("\ufffd")
     calls: list[CallView] = []
     if turns and client_tools:
-        for body in turns[-1].split(OPEN)[1:]:
-            closed = CLOSE in body
-            name, arguments, complete = scan_call(body.split(CLOSE, 1)[0])
+        text = turns[-1]
+        at = text.find(OPEN)
+        while at >= 0:
+            start = at + len(OPEN)
+            end = call_end(text, start)  # (a string of the arguments may hold </tool_call>)
+            closed = end >= 0
+            name, arguments, complete = scan_call(text[start:end] if closed else text[start:])
+            at = text.find(OPEN, end + len(CLOSE)) if closed else -1
             if name is None or name not in client_tools:
                 continue
             if not final:
