@@ -155,6 +155,29 @@ def test_logprobs_equal_a_forward_pass_over_the_string(served, client, smollm2):
         assert bytes(entry.bytes).decode("utf-8", "replace") == tok.token_str(t) or "\ufffd" in tok.token_str(t)
 
 
+def test_streamed_logprobs_ride_on_the_content_they_wrote(client):
+    """Each content chunk carries the log-probabilities of its tokens, whose bytes are its text;
+    all chunks together hold what the whole response holds."""
+    kwargs = dict(model=MODEL, messages=ask("Name three colours."), max_tokens=12, temperature=0, logprobs=True,
+                  top_logprobs=2)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    streamed, text_bytes, lp_bytes = [], b"", b""
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        choice = chunk.choices[0] if chunk.choices else None
+        if choice is None:
+            continue
+        entries = choice.logprobs.content if choice.logprobs is not None else []
+        streamed += entries
+        if choice.delta.content:
+            assert entries, f"content {choice.delta.content!r} came without its log-probabilities"
+            text_bytes += choice.delta.content.encode()
+            lp_bytes += b"".join(bytes(e.bytes) for e in entries)
+            assert lp_bytes.decode("utf-8", "replace").startswith(text_bytes.decode())
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4))
+                                                                  for e in whole.logprobs.content]
+    assert text_bytes.decode() == whole.message.content
+
+
 def test_penalties_and_logit_bias_follow_openais_definition(served, client, smollm2):
     """Each greedy token is the argmax of a whole-string forward pass's logits with OpenAI's
     penalties and bias written out: z + b − α_f·c − α_p·1[c > 0], c counting generated tokens."""

@@ -283,6 +283,14 @@ class ChoiceState:
         tok = self.service.tokenizer
         return [tok.decode(ids) for ids in self.turns]
 
+    def take_logprobs(self, lib) -> dict | None:
+        """The log-probabilities of the tokens not yet sent, as a chunk's `logprobs`."""
+        if not self.pending_logprobs:
+            return None
+        entries = [_token_logprob(self.service.tokenizer, lib, e) for e in self.pending_logprobs]
+        self.pending_logprobs = []
+        return {"content": entries, "refusal": None}
+
 
 def _view(prep: Prepared, turns: list[str], final: bool) -> C.View:
     plan = prep.plan
@@ -450,12 +458,12 @@ async def stream_chat(prep: Prepared, queue: asyncio.Queue, service: Service, tt
                 if event.kind != "token":
                     continue
             view = _view(prep, st.texts(), final=final)
-            for text in _deltas(st, view, i, prep, service):
+            for text in _deltas(st, view, i, prep, service, lib):
                 yield text
-            if st.pending_logprobs:
-                entries = [_token_logprob(tok, lib, e) for e in st.pending_logprobs]
-                st.pending_logprobs = []
-                yield chunk(i, {}, logprobs={"content": entries, "refusal": None})
+            # tokens that are no content (a call's markup and arguments, a stop sequence's text)
+            # have their log-probabilities in a chunk of their own, so the chunks hold them all
+            if st.pending_logprobs and (final or view.calls):
+                yield chunk(i, {}, logprobs=st.take_logprobs(lib))
             if final:
                 yield chunk(i, {}, finish=FINISH.get(st.s.arc.termination, "stop"))
         if prep.include_usage:
@@ -465,13 +473,15 @@ async def stream_chat(prep: Prepared, queue: asyncio.Queue, service: Service, tt
         service.cancel(prep.sequences)  # a client gone mid-stream frees its rows at once
 
 
-def _deltas(st: ChoiceState, view: C.View, i: int, prep: Prepared, service: Service):
+def _deltas(st: ChoiceState, view: C.View, i: int, prep: Prepared, service: Service, lib):
+    """A content delta carries the log-probabilities of the tokens that wrote it (as OpenAI's
+    chunks do); each call's id and name once, then its argument deltas."""
     base = {"id": prep.id, "object": "chat.completion.chunk", "created": prep.created, "model": prep.model,
             "system_fingerprint": _fingerprint(service)}
     if len(view.content) > st.content_sent:
         delta = view.content[st.content_sent:]
         st.content_sent = len(view.content)
-        yield sse({**base, "choices": [{"index": i, "delta": {"content": delta}, "logprobs": None,
+        yield sse({**base, "choices": [{"index": i, "delta": {"content": delta}, "logprobs": st.take_logprobs(lib),
                                         "finish_reason": None}]})
     for c in view.calls:
         sent = st.calls_sent.get(c.index)
