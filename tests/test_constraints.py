@@ -508,6 +508,11 @@ def test_a_string_argument_may_hold_the_closing_tag(smol):
     from hybridlm.constraints import call_is_open
 
     assert call_is_open(text[: text.index("literally")]) and not call_is_open(text)
+    assert call_is_open(text[: text.index(" then")])  # the tag inside the unfinished string closes nothing
+    from hybridlm.server.chat import render
+
+    view = render([text[: text.index(" then")]], final=False, client_tools=frozenset({"say"}))
+    assert view.content == "" and not any(c.complete for c in view.calls)
 
 
 def test_tool_parameters_must_be_an_object_schema(smol):

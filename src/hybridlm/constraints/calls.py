@@ -16,6 +16,7 @@ a tool's name forces a call of that tool.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -67,29 +68,35 @@ def _parse(text: str, names: set[str] | None) -> tuple[list[ToolCall], str | Non
 
 
 _decoder = json.JSONDecoder()
+# a JSON string (closed, or running to the end of a text still being written) or the closing tag
+_STRING_OR_CLOSE = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)|' + re.escape(CLOSE), re.S)
 
 
-def call_end(text: str, start: int) -> int:
+def call_end(text: str, start: int, *, partial: bool = False) -> int:
     """Where the call whose body starts at `start` is closed: the </tool_call> right after its JSON
-    object (a string in the arguments may hold the tag itself), else the first </tool_call>
-    after `start`; −1 when the call is not closed."""
+    object, else the first </tool_call> outside a JSON string (a string argument may hold the tag
+    itself); −1 when the call is not closed. For finished text (`partial` false) whose JSON is
+    broken, the first </tool_call> at all."""
     i = start
     while i < len(text) and text[i] in " \t\r\n":
         i += 1
     try:
         _, j = _decoder.raw_decode(text, i)
     except (ValueError, RecursionError):
-        return text.find(CLOSE, start)
+        for m in _STRING_OR_CLOSE.finditer(text, start):
+            if m.group() == CLOSE:
+                return m.start()
+        return -1 if partial else text.find(CLOSE, start)
     while j < len(text) and text[j] in " \t\r\n":
         j += 1
     return j if text.startswith(CLOSE, j) else text.find(CLOSE, j)
 
 
 def call_is_open(text: str) -> bool:
-    """The text's last <tool_call> has not been closed yet."""
+    """The text's last <tool_call> has not been closed yet (the text is still being written)."""
     at = text.find(OPEN)
     while at >= 0:
-        end = call_end(text, at + len(OPEN))
+        end = call_end(text, at + len(OPEN), partial=True)
         if end < 0:
             return True
         at = text.find(OPEN, end + len(CLOSE))

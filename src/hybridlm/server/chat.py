@@ -286,7 +286,7 @@ def render(turns: list[str], *, final: bool, stops: tuple[str, ...] = (), client
         at = text.find(OPEN)
         while at >= 0:
             start = at + len(OPEN)
-            end = call_end(text, start)  # (a string of the arguments may hold </tool_call>)
+            end = call_end(text, start, partial=not final)  # (a string argument may hold </tool_call>)
             closed = end >= 0
             name, arguments, complete = scan_call(text[start:end] if closed else text[start:])
             at = text.find(OPEN, end + len(CLOSE)) if closed else -1
