@@ -68,3 +68,12 @@ def test_unknown_category_and_resume(tmp_path):
     out.write_text(out.read_text() + '{"cut')  # a line cut by a killed run
     rows = bfcl.evaluate(runner, ["simple_python"], limit=4, out=out, resume=True)
     assert len(rows) == 4 and len(out.read_text().splitlines()) == 5
+
+
+def test_every_kth_task_spreads_the_sample(tmp_path):
+    whole = [t.id for t in bfcl.tasks("live_simple")]
+    sample = [t.id for t in bfcl.tasks("live_simple", every=10, limit=5)]
+    assert sample == whole[::10][:5]
+    runner = type("R", (), {"name": "fake", "__call__": lambda self, t: first_answer(t)})()
+    rows = bfcl.evaluate(runner, ["live_simple"], every=50, out=tmp_path / "r.jsonl")
+    assert [r["id"] for r in rows] == whole[::50]

@@ -815,11 +815,13 @@ def eval_agent(model_spec, n, modes, out, shard_size, precision, use_ray, ray_ad
 @click.option("--systems", default="constrained,free,llama.cpp", show_default=True,
               help="constrained (hybridlm), free (hybridlm, no mask in the call), llama.cpp (the reference).")
 @click.option("--limit", default=None, type=click.IntRange(min=1), help="The first N tasks of each category.")
+@click.option("--every", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Every K-th task of each category (a sample spread over the whole list); --limit counts these.")
 @click.option("--out", type=click.Path(dir_okay=False), default="bfcl.jsonl", show_default=True,
               help="Results, one JSON line per task (appended as it goes).")
 @click.option("--resume", is_flag=True, help="Continue --out: skip the tasks it already holds.")
 @_precision_option("auto")
-def eval_bfcl(model_spec, categories, systems, limit, out, resume, precision):
+def eval_bfcl(model_spec, categories, systems, limit, every, out, resume, precision):
     """Berkeley Function Calling Leaderboard: BFCL's own data and AST checker (needs bfcl-eval)."""
     from pathlib import Path
 
@@ -849,7 +851,7 @@ def eval_bfcl(model_spec, categories, systems, limit, out, resume, precision):
 
                 model = load_model(model_spec, precision=precision)
             runner = bfcl.HybridRunner(model, constrained=kind == "constrained")
-        bfcl.evaluate(runner, chosen, limit=limit, out=out, resume=True,
+        bfcl.evaluate(runner, chosen, limit=limit, every=every, out=out, resume=True,
                       progress=lambda n, name=runner.name: tqdm(total=n, desc=name, unit="task", file=sys.stderr))
     click.echo(bfcl.format_summary(bfcl.summary(out)))
 

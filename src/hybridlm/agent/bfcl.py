@@ -75,13 +75,16 @@ def _data_file(folder: Path, category: str) -> Path:
     return found[-1]
 
 
-def tasks(category: str, *, limit: int | None = None) -> list[Task]:
+def tasks(category: str, *, limit: int | None = None, every: int = 1) -> list[Task]:
+    """The category's tasks in BFCL's order: every `every`-th (the 1st, the every+1-th, ...), the
+    first `limit` of those."""
     if category not in CATEGORIES:
         raise InputError(f"BFCL category {category!r}: expected one of {', '.join(CATEGORIES)}")
     folder = data_dir()
     questions = _jsonl(_data_file(folder, category))
     answers = {a["id"]: a["ground_truth"] for a in _jsonl(_data_file(folder / "possible_answer", category))}
     out = [Task(q["id"], category, q["question"][0], q["function"], answers[q["id"]]) for q in questions]
+    out = out[::every]
     return out[:limit] if limit else out
 
 
@@ -244,8 +247,8 @@ class LlamaCppRunner:
 
 
 # ---------------------------------------------------------------------- the evaluation
-def evaluate(runner, categories, *, limit: int | None = None, out: str | Path, resume: bool = False,
-             progress=None) -> list[dict]:
+def evaluate(runner, categories, *, limit: int | None = None, every: int = 1, out: str | Path,
+             resume: bool = False, progress=None) -> list[dict]:
     """Run `runner` on the categories, appending one JSON line per task to `out`.
 
     With `resume`, tasks already in `out` for this runner are skipped (their lines are kept).
@@ -259,7 +262,7 @@ def evaluate(runner, categories, *, limit: int | None = None, out: str | Path, r
         for row in _rows(out):
             if row.get("system") == runner.name:
                 done[row["id"]] = row
-    todo = [t for c in categories for t in tasks(c, limit=limit) if t.id not in done]
+    todo = [t for c in categories for t in tasks(c, limit=limit, every=every) if t.id not in done]
     if progress is not None:
         progress = progress(len(todo))
     with out.open("a", encoding="utf-8") as fh:
@@ -285,7 +288,7 @@ def evaluate(runner, categories, *, limit: int | None = None, out: str | Path, r
                 progress.update(1)
     if progress is not None:
         progress.close()
-    wanted = {t.id for c in categories for t in tasks(c, limit=limit)}
+    wanted = {t.id for c in categories for t in tasks(c, limit=limit, every=every)}
     return [r for i, r in done.items() if i in wanted]
 
 
