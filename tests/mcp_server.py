@@ -39,8 +39,19 @@ class Summary(BaseModel):
 
 @server.tool(structured_output=False)
 def add(a: int, b: int) -> str:
-    """Add two integers."""
+    """Add two integers.
+
+    Args:
+        a: the first term
+        b: the second term
+    """
     return str(a + b)
+
+
+@server.tool(structured_output=False)
+def env(name: str) -> str:
+    """The value of an environment variable in the server's process."""
+    return os.environ.get(name, "<unset>")
 
 
 @server.tool()

@@ -15,6 +15,7 @@ from hybridlm.constraints import CLOSE, OPEN
 from hybridlm.agent.protocol import RESPONSE_CLOSE, RESPONSE_OPEN
 from hybridlm.agent.tools import calculator
 from hybridlm.alphabet import truncate
+from hybridlm.errors import InputError
 from tests.agent_fakes import ScriptedModel
 
 
@@ -215,3 +216,37 @@ def test_real_model_calls_the_calculator(smollm2, tmp_path):
 
 def test_calculator_is_the_registered_builtin():
     assert calculator.parameters["required"] == ["expression"]
+
+
+def test_a_call_cut_by_the_budget_is_not_the_answer(tok):
+    model = ScriptedModel(tok, ["Let me compute. " + call("calculator", expression="12345 * 6789")])
+    arc = HybridAgent(model, registry(["calculator"]), tool_choice="auto", constrain=False,
+                      limits=Limits(max_token_steps=10)).run("What is 12345 * 6789?")
+    assert arc.stop_reason == "token_budget" and arc.jumps == []
+    assert arc.answer == "Let me compute." and OPEN not in arc.answer
+
+
+def test_a_prompt_beyond_the_context_is_one_line(tok):
+    reg = registry(["calculator", "clock"])
+    fits = len(HybridAgent(ScriptedModel(tok, []), reg).protocol.prompt_ids(
+        HybridAgent(ScriptedModel(tok, []), reg).protocol.messages("What is 2 + 2?")))
+    with pytest.raises(InputError, match=r"the agent's prompt takes \d+ tokens \(\d+ for the system prompt with "
+                                         r"2 tools, \d+ for the task\); the model's context holds"):
+        HybridAgent(ScriptedModel(tok, ["4"], n_ctx=fits - 1), reg).run("What is 2 + 2?")
+    arc = HybridAgent(ScriptedModel(tok, ["4"], n_ctx=fits + 8), reg, tool_choice="auto").run("What is 2 + 2?")
+    assert arc.answer == "4"
+
+
+def test_a_servers_tool_the_grammar_cannot_write_is_left_out_with_a_warning(tok):
+    from hybridlm.agent.tools import Tool
+
+    bad = {"type": "object", "properties": {"s": {"type": "string", "pattern": "(?<=a)b"}}, "required": ["s"]}
+    reg = registry(["calculator"])
+    reg.register(Tool("lookbehind", "A tool of someone else's server.", bad, lambda s: s, server="far"))
+    with pytest.warns(UserWarning, match="tool lookbehind of far is not offered: .*look-around"):
+        agent = HybridAgent(ScriptedModel(tok, ["4"]), reg, tool_choice="auto")
+    assert list(agent.tools.tools) == ["calculator"] and "lookbehind" in reg  # the user's registry is kept
+    own = registry(["calculator"])
+    own.register(Tool("mine", "The user's own tool.", bad, lambda s: s))
+    with pytest.raises(InputError, match="tool mine"):
+        HybridAgent(ScriptedModel(tok, ["4"]), own)

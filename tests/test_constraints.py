@@ -579,3 +579,17 @@ def test_library_errors_are_one_line_with_their_cause(smol):
         json_schema_constraint(smol, {"oneOf": [{"type": "number"}, {"type": "integer"}]})  # overlapping
     assert "oneOf" in str(err.value) and "Write anyOf instead" in str(err.value)  # not a library option
     assert "coerce_one_of" not in str(err.value) and "\n" not in str(err.value)
+
+
+def test_non_ascii_tool_names_are_shown_as_the_constraint_writes_them(smol):
+    from hybridlm.agent.protocol import Protocol, call_text
+    from hybridlm.agent.tools import Tool, ToolRegistry
+
+    reg = ToolRegistry()
+    reg.register(Tool("天气", "Das Wetter einer Stadt (°C).", {"type": "object", "properties": {
+        "city": {"type": "string"}}, "required": ["city"]}, lambda city: "晴"))
+    prompt = Protocol(smol, reg).system_prompt()
+    assert "天气" in prompt and "°C" in prompt and "\\u" not in prompt
+    c = tool_call_constraint(smol, reg, "required")
+    feed(c, smol.encode(call_text("天气", {"city": "上海"})))  # the spelling the prompt shows is writable
+    assert c.finished and c.calls()[0].name == "天气"

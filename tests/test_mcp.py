@@ -140,6 +140,45 @@ def test_bad_servers_are_one_line_errors(spec, message):
     assert not [t for t in threading.enumerate() if t.name == "mcp-loop"]
 
 
+def _processes_running(fragment: str) -> list[str]:
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if fragment in cmdline:
+            out.append(cmdline)
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
+def test_a_server_that_never_answers_the_handshake_is_ended(tmp_path):
+    script = tmp_path / "mute_server.py"
+    script.write_text("import time\ntime.sleep(120)\n")
+    start = time.monotonic()
+    with pytest.raises(InputError, match="no handshake within 2 s"):
+        MCPServers([f"{sys.executable} {script}"], connect_timeout_s=2)
+    assert time.monotonic() - start < 2 + 12  # the SDK's shutdown: stdin closed, a grace period, a kill
+    assert not _processes_running(str(script))
+    assert not [t for t in threading.enumerate() if t.name == "mcp-loop"]
+
+
+def test_an_infinite_timeout_is_refused_before_any_server_starts():
+    start = time.monotonic()
+    with pytest.raises(InputError, match="MCP timeout inf: expected a positive, finite number"):
+        MCPServers([STDIO], timeout_s=float("inf"))
+    assert time.monotonic() - start < 1
+
+
+def test_stdio_servers_get_the_environment_and_whole_descriptions(monkeypatch):
+    monkeypatch.setenv("HYBRIDLM_TEST_TOKEN", "s3cret-\u00e9")
+    with mcp_tools([STDIO]) as reg:
+        assert reg.call("env", {"name": "HYBRIDLM_TEST_TOKEN"}).text == "s3cret-\u00e9"
+        description = reg.tools["add"].description
+        assert description.startswith("Add two integers.") and "a: the first term" in description
+
+
 def test_cli_bad_mcp_value_exits_2_before_the_model_loads():
     result = CliRunner().invoke(cli, ["agent", "--mcp", "no-such-command-here", "What is 2 + 2?"])
     assert result.exit_code == 2 and "not found" in result.output

@@ -99,3 +99,41 @@ def test_agent_cli_json_and_trace_show(tmp_path):
     assert bad.exit_code == 2 and "empty task" in bad.output
     bad = CliRunner().invoke(cli, ["agent", "x", "--tools", "shell"])
     assert bad.exit_code == 2 and "unknown tool 'shell'" in bad.output
+
+
+def test_a_remote_ref_in_a_tool_schema_is_never_fetched():
+    """jsonschema would download the URL a tool's $ref names; the registry's check must not."""
+    import http.server
+    import threading
+
+    from hybridlm.agent.tools import Tool, ToolRegistry
+
+    hits = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            hits.append(self.path)
+            body = b'{"type": "integer"}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/s.json"
+        reg = ToolRegistry()
+        reg.register(Tool("far", "d", {"type": "object", "properties": {"n": {"$ref": url}}}, lambda n: "ran"))
+        reg.register(Tool("near", "d", {"$defs": {"N": {"type": "integer"}}, "type": "object",
+                                        "properties": {"n": {"$ref": "#/$defs/N"}}}, lambda n: f"got {n}"))
+        far = reg.call("far", {"n": 3})
+        assert far.error == "invalid_arguments" and "Unresolvable" in far.text and hits == []
+        assert reg.call("near", {"n": 3}).text == "got 3"  # local references still resolve
+        assert reg.call("near", {"n": "x"}).error == "invalid_arguments"
+    finally:
+        httpd.shutdown()

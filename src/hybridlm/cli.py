@@ -444,7 +444,7 @@ def agent(task, model_spec, tools, kb, tool_choice, parallel, max_jumps, max_new
 
 def _drop_without_grammar(reg, model) -> None:
     """Leave out (and name) the MCP tools whose arguments the call grammar cannot write yet."""
-    from hybridlm.agent.mcp import without_grammar
+    from hybridlm.agent.automaton import without_grammar
 
     for name, reason in without_grammar(reg, model.tokenizer).items():
         server = reg.tools[name].server

@@ -24,6 +24,7 @@ several tasks on one engine, and the others keep generating meanwhile.
 from __future__ import annotations
 
 import concurrent.futures
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -243,7 +244,10 @@ class AgentSystem(HybridSystem):
         return {"answer": self._answer(s)}
 
     def _answer(self, s) -> str:
-        return self.tokenizer.decode([i for i in s.turn if i not in s.stop_ids]).strip()
+        text = self.tokenizer.decode([i for i in s.turn if i not in s.stop_ids])
+        if call_is_open(text):  # a call the token budget cut is not part of the answer
+            text = text[: text.rfind(OPEN)]
+        return text.strip()
 
     def ended(self, s) -> None:
         arc = s.arc
@@ -259,6 +263,35 @@ class AgentSystem(HybridSystem):
         return {"system": "agent", "task": s.task, "tool_choice": agent.tool_choice, "constrain": agent.constrain,
                 "parallel_tool_calls": agent.parallel,
                 "tools": [{**t.schema(), **({"server": t.server} if t.server else {})} for t in agent.tools]}
+
+
+def without_grammar(tools: ToolRegistry, tokenizer) -> dict[str, str]:
+    """The tools whose argument schemas the call constraint cannot compile, and why (one line each)."""
+    missing = {}
+    for t in tools:
+        try:
+            tool_call_constraint(tokenizer, [t], "required")
+        except InputError as exc:
+            missing[t.name] = str(exc)
+    return missing
+
+
+def offerable(tools: ToolRegistry, tokenizer) -> ToolRegistry:
+    """The registry without the MCP servers' tools whose schemas the call constraint cannot
+    compile, each named in a warning: a server's schema is not the user's to fix, and one such
+    tool must not stop every run. A tool of the user's own that does not compile is an error."""
+    try:
+        tool_call_constraint(tokenizer, list(tools), "required")
+        return tools
+    except InputError:
+        pass
+    missing = without_grammar(tools, tokenizer)
+    own = [name for name in missing if tools.tools[name].server is None]
+    if own:
+        raise InputError(missing[own[0]])
+    for name, reason in missing.items():
+        warnings.warn(f"tool {name} of {tools.tools[name].server} is not offered: {reason}", stacklevel=3)
+    return ToolRegistry({n: t for n, t in tools.tools.items() if n not in missing}, tools.max_output_chars)
 
 
 class HybridAgent:
@@ -281,10 +314,12 @@ class HybridAgent:
         context: ContextPolicy | str = ContextPolicy(),
         prefix_cache: PrefixCache | None = None,
     ) -> None:
-        if tool_choice not in TOOL_CHOICES and tool_choice not in tools:
-            raise InputError(f"tool choice {tool_choice!r}: expected one of {TOOL_CHOICES} or an offered tool's name")
         if getattr(model, "tokenizer", None) is None:
             raise InputError("the agent needs a model with a tokenizer and a chat template")
+        if constrain:
+            tools = offerable(tools, model.tokenizer)
+        if tool_choice not in TOOL_CHOICES and tool_choice not in tools:
+            raise InputError(f"tool choice {tool_choice!r}: expected one of {TOOL_CHOICES} or an offered tool's name")
         self.model, self.tools, self.kernel, self.limits = model, tools, kernel, limits
         self.tool_choice = tool_choice if tools.tools else "none"
         self.seed = seed
@@ -344,6 +379,12 @@ class HybridAgent:
         prompt, marks = self.protocol.prompt_ids_and_marks(messages)  # (the last mark: where the shared part ends)
         if self.tool_choice == "required" and not self.constrain:
             prompt = prompt + self.tokenizer.encode(OPEN)  # the call forced open enters as part of the prefill
+        T = self.model.config.n_ctx
+        if len(prompt) >= T:  # Π_T would cut the system prompt and the tools' schemas away before the first step
+            shared = marks[-1] if marks else 0
+            raise InputError(f"the agent's prompt takes {len(prompt)} tokens ({shared} for the system prompt with "
+                             f"{len(self.tools.tools)} tools, {len(prompt) - shared} for the task); the model's "
+                             f"context holds {T}: offer fewer tools or give a shorter task")
         controls = None
         if self.controllers:
             controls = ControlLoop(self.model, self.controllers, kernel=self.kernel, stop_ids=self.stop_ids,

@@ -33,6 +33,8 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import math
+import os
 import shlex
 import shutil
 import tempfile
@@ -96,6 +98,7 @@ class _Connection:
     listed: list = field(default_factory=list)
     stop: asyncio.Event | None = None
     holder: concurrent.futures.Future | None = None
+    task: asyncio.Task | None = None  # the holder's task on the loop
     errlog: Any = None  # the stdio server's stderr, kept to say why it died
     dead: str | None = None  # why calls can no longer reach it
 
@@ -117,8 +120,8 @@ class MCPServers:
 
     def __init__(self, specs: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-        if not timeout_s > 0:
-            raise InputError(f"MCP timeout {timeout_s}: expected a positive number of seconds")
+        if not 0 < timeout_s < math.inf:
+            raise InputError(f"MCP timeout {timeout_s}: expected a positive, finite number of seconds")
         self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
         self.connections = [_Connection(ServerSpec.parse(s)) for s in specs]
         self.tools: list[Tool] = []
@@ -151,6 +154,7 @@ class MCPServers:
         from mcp import Client
 
         conn.stop = asyncio.Event()
+        conn.task = asyncio.current_task()
         try:
             async with Client(self._transport(conn), read_timeout_seconds=self.connect_timeout_s) as client:
                 conn.client = client
@@ -181,8 +185,10 @@ class MCPServers:
         if conn.spec.url:
             return streamable_http_client(conn.spec.url)
         conn.errlog = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")
-        return stdio_client(StdioServerParameters(command=conn.spec.command, args=conn.spec.args),
-                            errlog=conn.errlog)
+        # the server gets the user's environment, as a command run from the shell does (the SDK's
+        # default passes only HOME, PATH and a few others: tokens, PYTHONPATH, a venv were lost)
+        return stdio_client(StdioServerParameters(command=conn.spec.command, args=conn.spec.args,
+                                                  env=dict(os.environ)), errlog=conn.errlog)
 
     # ------------------------------------------------------------------ tools
     def _build_tools(self) -> None:
@@ -198,7 +204,7 @@ class MCPServers:
                 schema = dict(listed.input_schema or {"type": "object"})
                 schema.setdefault("type", "object")
                 self.tools.append(Tool(
-                    name=name, description=(listed.description or "").strip().split("\n")[0],
+                    name=name, description=_description(listed.description),
                     parameters=schema, fn=self._caller(conn, listed.name),
                     timeout_s=self.timeout_s + _GRACE_S, runs_in="thread", server=conn.name))
 
@@ -249,11 +255,13 @@ class MCPServers:
             if conn.stop is not None:
                 self._loop.call_soon_threadsafe(conn.stop.set)
         for conn in self.connections:
-            if conn.holder is not None:
+            if conn.holder is not None and conn.client is not None:
                 with contextlib.suppress(BaseException):
                     conn.holder.result(10.0)  # stdio shutdown: stdin closed, 2 s grace, then terminate/kill
-                if not conn.holder.done():
-                    self._loop.call_soon_threadsafe(conn.holder.cancel)
+        stuck = [c.task for c in self.connections if c.task is not None and not c.holder.done()]
+        if stuck:  # (a server that never finished its handshake): cancelled, and its shutdown awaited
+            with contextlib.suppress(BaseException):
+                asyncio.run_coroutine_threadsafe(_cancel(stuck), self._loop).result(15.0)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10.0)
         if not self._thread.is_alive():
@@ -267,6 +275,24 @@ class MCPServers:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+MAX_DESCRIPTION = 1000  # characters of a tool's description shown to the model
+
+
+def _description(text: str | None) -> str:
+    """The whole description (a docstring's Args: block says what each parameter means), its
+    lines' indentation removed, cut at MAX_DESCRIPTION characters."""
+    text = "\n".join(line.strip() for line in (text or "").strip().splitlines())
+    return text if len(text) <= MAX_DESCRIPTION else text[: MAX_DESCRIPTION - 1].rstrip() + "…"
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    """Cancel the tasks and wait for them: the SDK's stdio shutdown (kill the server's process
+    tree) runs shielded inside a cancelled task, but only while the loop still runs."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.wait(tasks, timeout=12.0)
 
 
 def observation_of(result, where: str) -> Observation:
@@ -343,16 +369,3 @@ def tool_registry(tools: str = "calculator", *, kb: str | Path | None = None, mc
         return
     with mcp_tools(specs, into=reg, timeout_s=timeout_s) as reg:
         yield reg
-
-
-def without_grammar(reg: ToolRegistry, tokenizer) -> dict[str, str]:
-    """The tools whose argument schemas the call constraint cannot compile, and why (one line each)."""
-    from hybridlm.constraints import tool_call_constraint
-
-    missing = {}
-    for t in reg:
-        try:
-            tool_call_constraint(tokenizer, [t], "required")
-        except InputError as exc:
-            missing[t.name] = str(exc)
-    return missing

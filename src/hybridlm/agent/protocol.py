@@ -48,11 +48,23 @@ def tools_prompt(schemas: list[dict]) -> str:
     """The system prompt's tool part: the call format, the rules, and each tool's JSON schema
     ({"name", "description", "parameters"}) on a line of its own."""
     rule = CALCULATOR_RULE if any(s.get("name") == "calculator" for s in schemas) else ""
-    return SYSTEM + rule + TOOLS_HEADER + "\n".join(json.dumps(s) for s in schemas)
+    return SYSTEM + rule + TOOLS_HEADER + "\n".join(as_json(s) for s in schemas)
 
 
 def call_text(name: str, arguments: dict) -> str:
-    return f"{OPEN}{json.dumps({'name': name, 'arguments': arguments})}{CLOSE}"
+    return f"{OPEN}{as_json({'name': name, 'arguments': arguments})}{CLOSE}"
+
+
+def as_json(value) -> str:
+    """JSON as the call constraint writes it: non-ASCII characters as themselves (a name such as
+    天气 shown as \\u5929\\u6c14 is one the constraint would not let the model write), escaped
+    only where the text holds a lone surrogate, which UTF-8 cannot carry."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value)
+    return text
 
 
 class Protocol:

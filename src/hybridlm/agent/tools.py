@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import referencing
+import referencing.exceptions
 
 from hybridlm.agent import sandbox
 from hybridlm.errors import InputError
@@ -111,6 +113,17 @@ class Observation:
         return self.error is None
 
 
+_NO_FETCH = referencing.Registry()  # a remote $ref is unresolvable: never fetched
+
+
+def validate_arguments(arguments: dict, schema: dict) -> None:
+    """jsonschema's check of a call's arguments, without fetching a remote $ref (jsonschema's
+    default would download whatever URL a tool server's schema names)."""
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    cls(schema, registry=_NO_FETCH).validate(arguments)
+
+
 @dataclass
 class ToolRegistry:
     tools: dict[str, Tool] = field(default_factory=dict)
@@ -140,11 +153,11 @@ class ToolRegistry:
             return Observation(f"error: invalid arguments for {name}: expected a JSON object, got "
                                f"{type(arguments).__name__}", "invalid_arguments")
         try:
-            jsonschema.validate(arguments, t.parameters)
+            validate_arguments(arguments, t.parameters)
         except jsonschema.ValidationError as exc:
             return Observation(f"error: invalid arguments for {name}: {sandbox.one_line(exc.message)}",
                                "invalid_arguments")
-        except (jsonschema.SchemaError, RecursionError) as exc:
+        except (jsonschema.SchemaError, referencing.exceptions.Unresolvable, RecursionError) as exc:
             return Observation(f"error: the arguments for {name} cannot be checked ({sandbox.describe(exc)})",
                                "invalid_arguments")
         if t.runs_in == "process" and sandbox.CAN_FORK:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridlm.agent.automaton import AgentSystem
-from hybridlm.agent.protocol import RESPONSE_CLOSE, RESPONSE_OPEN, Protocol, tools_prompt
+from hybridlm.agent.protocol import RESPONSE_CLOSE, RESPONSE_OPEN, Protocol, as_json, tools_prompt
 from hybridlm.agent.tools import ToolRegistry
 from hybridlm.constraints import CLOSE, OPEN, json_schema_constraint, tool_call_constraint
 from hybridlm.constraints.calls import call_end
@@ -69,7 +69,7 @@ def assistant_text(m) -> str:
 def assistant_content(text: str, calls: list[tuple[str, str]]) -> str:
     """Free text, then `<tool_call>{"name": ..., "arguments": ...}</tool_call>` for each (name,
     arguments' JSON text) call, one per line."""
-    return text + "\n".join(f'{OPEN}{{"name": {json.dumps(name)}, "arguments": {arguments}}}{CLOSE}'
+    return text + "\n".join(f'{OPEN}{{"name": {as_json(name)}, "arguments": {arguments}}}{CLOSE}'
                             for name, arguments in calls)
 
 
