@@ -12,19 +12,22 @@ Events (every one carries the hybrid time (t, k) and the wall time `wall_s`):
 - `end`: the answer, the stop reason and totals.
 
 The engine's `TraceWriter` (hybridlm.engine.trace) writes each line as it happens, so a run
-killed at any moment leaves a file whose every line parses; optional tensors (the
-final-layer state of each token) go to a safetensors file beside it. This module reads
-traces back and prints them. The format is published as a JSON Schema, `trace.schema.json`
-beside this module; the reader checks every event against it (unknown fields and event kinds
-are allowed; t, k and wall_s never are missing).
+killed at any moment leaves a file of whole lines; optional tensors (the final-layer state of
+each token) go to a safetensors file beside it. This module reads traces back and prints them.
+The format is published as a JSON Schema, `trace.schema.json` beside this module; the reader
+checks every event against it (unknown fields and event kinds are allowed; t, k and wall_s
+never are missing). A last line cut off (no newline, no JSON: the run was killed while writing
+it) is skipped with a `CutTraceWarning`; a file without events is an error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,10 @@ from hybridlm.errors import InputError
 
 SCHEMA_PATH = Path(__file__).with_name("trace.schema.json")
 MAX_LINE_BYTES = 16 << 20  # one event; a jump's observation is capped far below this
+
+
+class CutTraceWarning(UserWarning):
+    """The trace's last line is cut off (a run killed while writing it); the events before it were read."""
 
 
 @functools.cache
@@ -84,26 +91,84 @@ def iter_trace(path: str | os.PathLike) -> Iterator[dict]:
     if not p.is_file():
         raise InputError(f"no trace file at {p}")
     with open(p, "rb") as fh:
-        number = 0
+        number = read = 0
         while True:
             raw = fh.readline(MAX_LINE_BYTES + 1)
             if not raw:
-                return
+                break
             number += 1
-            where = f"{p}:{number}:"
+            where = f"{p}:{number}"
             if len(raw) > MAX_LINE_BYTES:
-                raise InputError(f"{where} a line longer than {MAX_LINE_BYTES:,} bytes is not a trace event")
+                raise InputError(f"{where}: a line longer than {MAX_LINE_BYTES:,} bytes is not a trace event")
             if not raw.strip():
                 continue
             try:
                 event = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
             except UnicodeDecodeError as exc:
-                raise InputError(f"{where} not UTF-8 text ({exc.reason} at byte {exc.start}): not a trace") from None
+                if _cut(raw, exc):
+                    break
+                raise InputError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start}): not a trace") from None
             except RecursionError:
-                raise InputError(f"{where} JSON nested too deep to be a trace event") from None
+                raise InputError(f"{where}: JSON nested too deep to be a trace event") from None
             except ValueError as exc:
-                raise InputError(f"{where} not a JSON line ({_short(str(exc))})") from None
+                if _cut(raw, exc):
+                    break
+                raise InputError(f"{where}: not a JSON line ({_short(str(exc))})") from None
+            read += 1
             yield check_event(event, where)
+    if read == 0:
+        why = ("its one event line is cut off: a run killed while writing it" if raw
+               else "the file is empty" if number == 0 else "only blank lines")
+        raise InputError(f"{p}: holds no trace events ({why}); expected JSON lines, one event each")
+    if raw:
+        events = f"{read} event{'' if read == 1 else 's'}"
+        warnings.warn(f"{p}: the last line is cut (a run killed while writing it); {events} read", CutTraceWarning,
+                      stacklevel=2)
+
+
+def _cut(raw: bytes, exc: Exception) -> bool:
+    """Whether a line that does not parse is what a kill mid-write leaves: the file's last line (no
+    newline), begun as an event object, no bad byte inside and nothing after a closed object.
+    Anything else stays an error."""
+    if raw.endswith(b"\n") or not raw.lstrip().startswith(b"{"):
+        return False
+    if isinstance(exc, UnicodeDecodeError):
+        return exc.reason == "unexpected end of data"  # a character cut in two, not a bad byte
+    return not str(exc).startswith("Extra data")  # a whole object with more after it was not cut
+
+
+@contextlib.contextmanager
+def cut_warnings_to(echo: Callable[[str], None]) -> Iterator[None]:
+    """Hands each CutTraceWarning raised inside to `echo` once (a command may read a trace several
+    times), when the block ends; an error ending it goes alone (bad input is one line). Other
+    warnings are shown as usual."""
+    said: list[str] = []
+    failed = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", CutTraceWarning)  # repeats are dropped here; a registry would hide them
+        show = warnings.showwarning
+
+        def shown(message, category, filename, lineno, file=None, line=None):
+            if not issubclass(category, CutTraceWarning):
+                show(message, category, filename, lineno, file, line)
+            elif str(message) not in said:
+                said.append(str(message))
+
+        warnings.showwarning = shown
+        try:
+            yield
+        except Exception:
+            failed = True
+            raise
+        finally:
+            if not failed:  # (a SystemExit, e.g. "differs", still says what it read)
+                for message in said:
+                    echo(message)
+
+
+def cut_short(events: list[dict]) -> bool:
+    """Whether the recording stops before its arc ended: no end event (the run was killed, or still runs)."""
+    return not any(e["event"] == "end" for e in events)
 
 
 def format_timeline(events: list[dict], *, tokens: bool = False) -> str:

@@ -1,18 +1,24 @@
 """Observers of the engine that keep a sequence's arc outside the process.
 
-`TraceWriter` writes each event as one JSON line the moment it happens, flushed (and
-fsynced at the start, at phase changes, jumps and the end), so a run killed at any moment
-leaves a file whose every line parses. `StateRecorder` is the recorder (hybridlm.lm.capture)
+`TraceWriter` writes each event as one JSON line the moment it happens, in one write(2)
+(fsynced at the start, at phase changes, jumps and the end when the trace is a regular
+file), so a run killed at any moment leaves whole lines that parse; a last line cut even so
+(a kill inside a long write, a full disk) is skipped by the reader with a warning. A FIFO
+that no process reads is refused at once, not waited on; a pipe with a reader, a terminal or
+/dev/null is written without fsync. `StateRecorder` is the recorder (hybridlm.lm.capture)
 set to keep the final-layer residual state h⁽ᴸ⁾ of each decode step of its sequence (a hook
 point read on that sequence's rows only) and to write them when the arc ends.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from pathlib import Path
 
+from hybridlm.errors import InputError
 from hybridlm.lm.capture import Recorder
 
 _SYNCED = ("start", "phase", "jump", "end")
@@ -22,7 +28,19 @@ class TraceWriter:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "w", encoding="utf-8")
+        # O_NONBLOCK: a FIFO no process reads would block open(2) until one comes; this way it fails at once
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(self.path, flags, 0o666)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                raise InputError(f"{self.path}: a FIFO or socket that no process reads; a trace is written to a "
+                                 "regular file (or a pipe with a reader)") from None
+            raise InputError(f"{self.path}: the trace cannot be written ({exc.strerror or exc})") from None
+        os.set_blocking(fd, True)  # a slow reader of a pipe makes writes wait, not fail with EAGAIN
+        self._fd: int | None = fd
+        # fsync is for files on disk; a pipe, a terminal or /dev/null refuses it (EINVAL)
+        self._sync = stat.S_ISREG(os.fstat(fd).st_mode)
 
     def on_event(self, s, event) -> None:
         self.write(event.to_dict())
@@ -31,17 +49,21 @@ class TraceWriter:
         """One event: a whole record, or its kind and fields (`write("plant", t=…, k=…, wall_s=…, …)`)."""
         if isinstance(record, str):
             record = {"event": record, **fields}
-        self._fh.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
-        self._fh.flush()
-        if record.get("event") in _SYNCED:
-            os.fsync(self._fh.fileno())
+        if self._fd is None:
+            raise ValueError(f"trace {self.path} is closed")
+        line = memoryview((json.dumps(record, ensure_ascii=False, default=str) + "\n").encode("utf-8"))
+        while line:  # one write(2) for a file: a kill lands between lines; a pipe may take it in parts
+            line = line[os.write(self._fd, line):]
+        if self._sync and record.get("event") in _SYNCED:
+            os.fsync(self._fd)
 
     def on_end(self, s) -> None:
         self.close()
 
     def close(self) -> None:
-        if not self._fh.closed:
-            self._fh.close()
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
     def __enter__(self) -> "TraceWriter":
         return self
