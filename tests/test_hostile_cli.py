@@ -3,6 +3,7 @@ loads where the check needs no model; the trace reader validates every event aga
 published JSON Schema (checked itself with jsonschema's meta-schema) and names line and field."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -55,9 +56,68 @@ def one_line_exit_2(result, fragment):
     (["generate", "x", "--logit-bias", "-4=1"], "-4"),
     (["generate", "x", "--frequency-penalty", "nan"], "frequency penalty"),
     (["generate"], "PROMPT"),
+    (["generate", "x", "--json-schema", "/dev/zero"], "not a regular file"),
+    (["generate", "x", "--grammar", "/dev/zero"], "not a regular file"),
+    (["agent", "x", "--tools", "lookup", "--kb", "/dev/zero"], "not a regular file"),
+    (["generate", "x", "--regex", "("], "unclosed group"),
+    (["generate", "x", "--regex", ""], "expected a pattern"),
+    (["generate", "1,x", "--ids"], "--ids expects integers"),
+    (["generate", ",,,", "--ids"], "empty prompt: --ids expects token ids"),
+    (["generate", "3,-5", "--ids"], "token id -5 is negative"),
+    (["generate", "x", "--steer-scale", "2"], "need a steering vector"),
+    (["generate", "x", "--context-policy", "block:0"], "δ an integer ≥ 1"),
+    (["generate", "x", "--model", ""], "expected a model name"),
+    (["agent", "x", "--tools", ","], "expected tool names"),
+    (["agent", "x", "--mcp-timeout", "nan"], "finite number of seconds"),
+    (["agent", "x", "--mcp-timeout", "0"], "finite number of seconds"),
+    (["agent", "x", "--states"], "add --trace FILE"),
+    (["consensus", "--device", "bogus"], "expected auto, cpu, cuda or cuda:N"),
+    (["survey", "euler", "--width", "100000000", "--out", "unused"], "width = 100000000"),
 ])
 def test_bad_input_is_one_line_before_the_model(no_model, args, fragment):
     one_line_exit_2(CliRunner().invoke(cli, args), fragment)
+
+
+def test_option_files_are_checked_before_the_model(no_model, tmp_path):
+    import os
+
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000)
+    one_line_exit_2(CliRunner().invoke(cli, ["generate", "x", "--json-schema", str(deep)]), "nested too deeply")
+    listed = tmp_path / "list.json"
+    listed.write_text("[1]")
+    one_line_exit_2(CliRunner().invoke(cli, ["generate", "x", "--json-schema", str(listed)]), "expected an object")
+    typed = tmp_path / "typed.json"
+    typed.write_text('{"type": 5}')
+    one_line_exit_2(CliRunner().invoke(cli, ["generate", "x", "--json-schema", str(typed)]), "type must be")
+    empty = tmp_path / "empty.lark"
+    empty.write_text("")
+    one_line_exit_2(CliRunner().invoke(cli, ["generate", "x", "--grammar", str(empty)]), "mpty grammar")
+    if hasattr(os, "mkfifo"):  # a FIFO would block the reader (or the writer) until its other end opens
+        fifo = tmp_path / "fifo"
+        os.mkfifo(fifo)
+        one_line_exit_2(CliRunner().invoke(cli, ["generate", "x", "--json-schema", str(fifo)]), "not a regular file")
+        one_line_exit_2(CliRunner().invoke(cli, ["agent", "x", "--trace", str(fifo)]), "not a regular file")
+    spec = tmp_path / "spec.yaml"
+    spec.write_bytes(b"name: \xff\n")
+    one_line_exit_2(CliRunner().invoke(cli, ["sweep", str(spec), "--out", str(tmp_path / "o")]), "UTF-8")
+    spec.write_text("[" * 5000 + "]" * 5000)
+    one_line_exit_2(CliRunner().invoke(cli, ["sweep", str(spec), "--out", str(tmp_path / "o")]), "nested too deeply")
+    outside = tmp_path / "file"
+    outside.write_text("")
+    one_line_exit_2(CliRunner().invoke(cli, ["survey", "euler", "--out", str(outside)]), "is not a directory")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc, where nothing can be created")
+@pytest.mark.parametrize("args", [
+    ["agent", "x", "--trace", "/proc/x.jsonl"],
+    ["eval", "agent", "--n", "1", "--out", "/proc/x.json"],
+    ["survey", "euler", "--out", "/proc/x/y"],
+    ["report", "unused.jsonl", "-o", "/proc/x.html"],
+])
+def test_unwritable_outputs_are_refused_before_the_work(no_model, args):
+    """As root, os.access says /proc is writable; creating a file there is what fails."""
+    one_line_exit_2(CliRunner().invoke(cli, args), "cannot be written")
 
 
 @pytest.mark.parametrize("where", ["missing", "file"])
@@ -218,3 +278,14 @@ def test_replay_without_start_is_refused_before_the_model(no_model, tmp_path):
     path = write_lines(tmp_path / "t.jsonl", {"event": "token", "t": 1, "k": 0, "wall_s": 0.0, "token": 1,
                                               "text": "a"})
     one_line_exit_2(CliRunner().invoke(cli, ["trace", "replay", str(path)]), "start")
+
+
+def test_ctrl_c_exits_130(monkeypatch):
+    from hybridlm.weights import loading
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loading, "load_model", interrupted)
+    r = CliRunner().invoke(cli, ["generate", "x"])
+    assert r.exit_code == 130 and "[interrupted]" in r.output and "Traceback" not in r.output

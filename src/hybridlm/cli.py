@@ -35,6 +35,9 @@ class Group(click.Group):
         except click.UsageError as exc:
             where = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
             raise BadInput(f"{exc.format_message()} (see '{where} --help')") from None
+        except KeyboardInterrupt:  # Ctrl-C: the shell's convention, 128 + SIGINT (click would say 1)
+            click.echo("[interrupted]", err=True)
+            ctx.exit(130)
 
 
 class Seed(click.ParamType):
@@ -76,23 +79,71 @@ class OutputFile(click.ParamType):
     name = "file"
 
     def convert(self, value, param, ctx):
-        import os
-        from pathlib import Path
+        from hybridlm.files import writable
 
-        path = Path(value).expanduser()
-        parent = path.parent
-        if path.is_dir():
-            self.fail(f"{path} is a directory, expected a file path", param, ctx)
-        if not parent.exists():
-            self.fail(f"directory {parent} does not exist", param, ctx)
-        if not parent.is_dir():
-            self.fail(f"{parent} is not a directory, so {path.name} cannot be written under it", param, ctx)
-        if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-            self.fail(f"{path} cannot be written (permission denied)", param, ctx)
+        why = writable(value)
+        if why is not None:
+            self.fail(why, param, ctx)
         return str(value)
 
 
-SEED, TEXT, OUTPUT_FILE = Seed(), Text(), OutputFile()
+class Device(click.ParamType):
+    """A torch device: auto, cpu, cuda or cuda:N (here: one this machine has, unless `remote`,
+    where the workers' devices count)."""
+
+    name = "device"
+
+    def __init__(self, remote: bool = False) -> None:
+        self.remote = remote
+
+    def convert(self, value, param, ctx):
+        import re
+
+        text = str(value).strip().lower()
+        if text in ("auto", "cpu"):
+            return text
+        m = re.fullmatch(r"cuda(?::(\d{1,3}))?", text)
+        if m is None:
+            self.fail(f"{str(value)[:40]!r}: expected auto, cpu, cuda or cuda:N", param, ctx)
+        if not self.remote:
+            import torch
+
+            index = int(m.group(1) or 0)
+            if not torch.cuda.is_available():
+                self.fail(f"{value}: this machine has no CUDA device (or torch was built without CUDA)", param, ctx)
+            if index >= torch.cuda.device_count():
+                self.fail(f"{value}: this machine has {torch.cuda.device_count()} CUDA device(s)", param, ctx)
+        return text
+
+
+class OutputFolder(click.ParamType):
+    """A folder to write into (made if missing): checked when the command line is read."""
+
+    name = "folder"
+
+    def convert(self, value, param, ctx):
+        from hybridlm.files import creatable_folder
+
+        why = creatable_folder(value)
+        if why is not None:
+            self.fail(why, param, ctx)
+        return str(value)
+
+
+class ModelSpec(click.ParamType):
+    """--model: a name, a folder or a .gguf file; an empty value is refused before anything loads
+    (as a path it would be the current folder)."""
+
+    name = "model"
+
+    def convert(self, value, param, ctx):
+        if not str(value).strip():
+            self.fail(f"{value!r}: expected a model name (hybridlm models lists them), a folder or a .gguf file",
+                      param, ctx)
+        return value
+
+
+SEED, TEXT, OUTPUT_FILE, OUTPUT_FOLDER, MODEL = Seed(), Text(), OutputFile(), OutputFolder(), ModelSpec()
 
 
 @click.group(cls=Group)
@@ -114,21 +165,29 @@ def _control_options(fn):
     return fn
 
 
-def _controllers(model, ban, steer, steer_layer, steer_scale) -> list:
-    """The controllers the control options ask for (empty: the uncontrolled system)."""
+def _steering_vector(steer, steer_layer, steer_scale):
+    """The steering vector of --steer, read and checked before the model loads (None: no steering)."""
     import math
 
     from hybridlm.errors import InputError
 
-    out = []
-    if steer is None and (steer_layer is not None or steer_scale != 1.0):
-        raise InputError("--steer-layer and --steer-scale need a steering vector: add --steer FILE")
-    if steer is not None:
-        from hybridlm.control import ContrastVector, Steering
+    if steer is None:
+        if steer_layer is not None or steer_scale != 1.0:
+            raise InputError("--steer-layer and --steer-scale need a steering vector: add --steer FILE")
+        return None
+    from hybridlm.control import ContrastVector
 
-        if not math.isfinite(steer_scale):
-            raise InputError(f"--steer-scale {steer_scale}: expected a finite number")
-        vector = ContrastVector.load(steer)
+    if not math.isfinite(steer_scale):
+        raise InputError(f"--steer-scale {steer_scale}: expected a finite number")
+    return ContrastVector.load(steer)
+
+
+def _controllers(model, ban, vector, steer_layer, steer_scale) -> list:
+    """The controllers the control options ask for (empty: the uncontrolled system)."""
+    out = []
+    if vector is not None:
+        from hybridlm.control import Steering
+
         steering = Steering(vector, layer=steer_layer, scale=steer_scale)
         steering.hooks(model)  # checks width and layer now, before any generation
         if vector.model and vector.model != model.source:
@@ -165,12 +224,17 @@ def _context_option(fn):
                              "'block[:δ]' (cut to T − δ once, δ steps follow; δ = T/8 by default).")(fn)
 
 
+MAX_CONSTRAINT_BYTES = 8 * 2**20  # a schema or grammar file larger than this is not one
+
+
 def _constraint_source(schema_file, regex, grammar_file):
     """(kind, source) of the output constraint asked for, read and checked before the model loads."""
-    from pathlib import Path
-
+    from hybridlm.constraints.library import json_grammar, lark_grammar, regex_grammar, validate
     from hybridlm.errors import InputError
+    from hybridlm.files import read_text
 
+    if regex == "":
+        raise InputError("--regex '': expected a pattern (an empty one would constrain nothing)")
     given = [(k, v) for k, v in (("json_schema", schema_file), ("regex", regex), ("grammar", grammar_file)) if v]
     if len(given) > 1:
         raise InputError(f"{' and '.join('--' + k.replace('_', '-') for k, _ in given)} exclude each other: "
@@ -179,16 +243,19 @@ def _constraint_source(schema_file, regex, grammar_file):
         return None
     kind, value = given[0]
     if kind == "regex":
+        validate(regex_grammar(value), "--regex")
         return kind, value
-    try:
-        text = Path(value).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"--{kind.replace('_', '-')} {value}: cannot read it ({exc})") from None
+    text = read_text(value, f"--{kind.replace('_', '-')}", max_bytes=MAX_CONSTRAINT_BYTES)
     if kind == "json_schema":
         try:
-            return kind, json.loads(text)
+            schema = json.loads(text)
+        except RecursionError:
+            raise InputError(f"--json-schema {value}: nested too deeply to read") from None
         except ValueError as exc:
             raise InputError(f"--json-schema {value}: not JSON ({exc})") from None
+        validate(json_grammar(schema), "--json-schema")  # the schema's own errors before the model loads
+        return kind, schema
+    validate(lark_grammar(text), "--grammar")
     return kind, text
 
 
@@ -228,7 +295,7 @@ MODEL_HELP = "Model: a name (smollm2-135m, gpt2, random:gpt2, ...), a hub-layout
 
 @cli.command()
 @click.argument("prompt", type=TEXT)
-@click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
+@click.option("--model", "-m", "model_spec", default=None, type=MODEL, help=MODEL_HELP)
 @click.option("--max-new-tokens", "-n", default=64, show_default=True, type=click.IntRange(min=0))
 @click.option("--greedy", is_flag=True, help="Greedy decoding (the limit τ → 0).")
 @click.option("--temperature", "-t", type=float, default=None, help="Temperature τ > 0 [default: 1].")
@@ -262,6 +329,8 @@ def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top
     from hybridlm.weights.loading import load_model
 
     constraint_source = _constraint_source(schema_file, regex, grammar_file)  # read before the model loads
+    vector = _steering_vector(steer, steer_layer, steer_scale)
+    given_ids = _parse_ids(prompt) if as_ids else None
     if greedy and temperature is not None:
         raise InputError("--greedy and --temperature exclude each other: greedy is the limit τ → 0")
     kernel = Kernel(temperature=1.0 if temperature is None else temperature, top_k=top_k, top_p=top_p, greedy=greedy,
@@ -273,11 +342,11 @@ def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top
     model = load_model(model_spec, seed=seed, precision=precision)
     load_s = time.perf_counter() - t0
     tok = model.tokenizer
-    prompt_ids = _prompt_ids(prompt, model, as_ids=as_ids, chat=chat)
+    prompt_ids = _prompt_ids(prompt, model, ids=given_ids, chat=chat)
     if kernel.logit_bias and kernel.logit_bias[-1][0] >= model.config.vocab_size:
         raise InputError(f"--logit-bias: token {kernel.logit_bias[-1][0]} is not below the vocabulary size "
                          f"{model.config.vocab_size}")
-    controllers = _controllers(model, ban, steer, steer_layer, steer_scale)
+    controllers = _controllers(model, ban, vector, steer_layer, steer_scale)
     constraint = _constraint(constraint_source, model, max_new_tokens)
     s = sequence(model, prompt_ids, kernel=kernel, max_new_tokens=max_new_tokens, seed=seed, controllers=controllers,
                  constraint=constraint)
@@ -347,7 +416,7 @@ def _mcp_options(fn):
 
 
 def _plant_options(fn):
-    fn = click.option("--figure", "figure_path", type=click.Path(dir_okay=False), default=None,
+    fn = click.option("--figure", "figure_path", type=OUTPUT_FILE, default=None,
                       help="With --plant: the PNG of the trajectory [default: the trace's name with .png].")(fn)
     fn = click.option("--band", default=None, help="With --plant: the safe band LOW,HIGH of the plant's state "
                       "[default: tank 40,60 cm; room 19,23 °C].")(fn)
@@ -365,7 +434,7 @@ def _plant_options(fn):
 
 @cli.command()
 @click.argument("task", type=TEXT)
-@click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
+@click.option("--model", "-m", "model_spec", default=None, type=MODEL, help=MODEL_HELP)
 @click.option("--tools", default=None,
               help="Comma-separated: calculator, clock, lookup; none for only the MCP servers' or the plant's tools "
                    "[default: calculator; with --plant: none].")
@@ -406,13 +475,16 @@ def agent(task, model_spec, tools, kb, tool_choice, parallel, max_jumps, max_new
     if plant_name is not None:
         plan = _plant_plan(plant_name, plant_speed, horizon, period, band)
     kernel = Kernel(greedy=True) if temperature is None else Kernel(temperature=temperature)
+    vector = _steering_vector(steer, steer_layer, steer_scale)
+    if states and trace_path is None:
+        raise InputError("--states saves each token's state beside the trace: add --trace FILE")
     with tool_registry(tools or ("none" if plant_name else "calculator"), kb=kb, mcp=mcp,
                        timeout_s=mcp_timeout) as reg:
         if tool_choice not in ("auto", "required", "none", *reg.tools):
             raise InputError(f"--tool-choice {tool_choice!r}: expected auto, required, none or one of the tools "
                              f"{sorted(reg.tools)[:8]}")
         model = load_model(model_spec, seed=seed, precision=precision)
-        controllers = _controllers(model, ban, steer, steer_layer, steer_scale)
+        controllers = _controllers(model, ban, vector, steer_layer, steer_scale)
         _drop_without_grammar(reg, model)
         if plant_name is not None:
             if controllers or states:
@@ -501,7 +573,7 @@ def _run_plant(model, reg, plan, task, *, kernel, limits, tool_choice, seed, cbf
 
 
 @cli.command()
-@click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
+@click.option("--model", "-m", "model_spec", default=None, type=MODEL, help=MODEL_HELP)
 @click.option("--model-id", default=None, help="The id clients name in 'model' [default: the model's name].")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind (127.0.0.1: this machine only; 0.0.0.0 opens it to the network).")
@@ -570,7 +642,7 @@ def steer():
 
 
 @steer.command("build")
-@click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
+@click.option("--model", "-m", "model_spec", default=None, type=MODEL, help=MODEL_HELP)
 @click.option("--pos", "positive", multiple=True, required=True, type=TEXT, help="A prompt of the positive set (repeat).")
 @click.option("--neg", "negative", multiple=True, required=True, type=TEXT, help="A prompt of the negative set (repeat).")
 @click.option("--layer", type=int, required=True, help="Layer ℓ of H⁽ℓ⁾ (0 = embedding, L = after the last block).")
@@ -588,7 +660,7 @@ def steer_build(model_spec, positive, negative, layer, out):
 
 
 @cli.command()
-@click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
+@click.option("--model", "-m", "model_spec", default=None, type=MODEL, help=MODEL_HELP)
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1), help="Interleaved repeats per figure.")
 @click.option("--new-tokens", default=256, show_default=True, type=click.IntRange(min=1), help="Decode: new tokens.")
@@ -600,7 +672,7 @@ def steer_build(model_spec, positive, negative, layer, out):
 @click.option("--batch", default=8, show_default=True, type=click.IntRange(min=1), help="Batched generation: B.")
 @click.option("--sections", default="decode,prefill,latency,hooks,batch,agreement", show_default=True)
 @click.option("--no-references", is_flag=True, help="Skip transformers and llama.cpp.")
-@click.option("--device", default=None, help="cpu or cuda [default: cuda when present].")
+@click.option("--device", default=None, type=Device(), help="cpu or cuda [default: cuda when present].")
 @click.option("--quick", is_flag=True, help="A smoke run: 1 repeat, 16 new tokens, short contexts.")
 @click.option("--out", type=OUTPUT_FILE, default=None, help="Write the figures as JSON here.")
 def bench(model_spec, threads, repeats, new_tokens, prompt_tokens, prefill_tokens, contexts, precisions, batch,
@@ -630,7 +702,8 @@ def bench(model_spec, threads, repeats, new_tokens, prompt_tokens, prefill_token
             raise InputError(f"section {s!r}: expected some of {', '.join(known)}")
     cfg = BenchConfig(model=model_spec, threads=threads, repeats=repeats, new_tokens=new_tokens,
                       prompt_tokens=prompt_tokens, prefill_tokens=prefill_tokens, contexts=ints(contexts, "contexts"),
-                      precisions=chosen, batch=batch, references=not no_references, sections=wanted, device=device)
+                      precisions=chosen, batch=batch, references=not no_references, sections=wanted,
+                      device=None if device == "auto" else device)
     if quick:
         cfg.repeats, cfg.new_tokens, cfg.prefill_tokens, cfg.latency_steps = 1, 16, 64, 4
         cfg.contexts, cfg.batch_new_tokens, cfg.agreement_tokens = (16, 64), 8, 64
@@ -652,34 +725,41 @@ def trace():
 @click.option("--tokens", is_flag=True, help="One line per token step.")
 def trace_show(file, tokens):
     """Print the arc recorded in FILE as a timeline."""
-    from hybridlm.agent.trace import format_timeline, read_trace
+    from hybridlm.agent.trace import cut_warnings_to, format_timeline, read_trace
 
-    click.echo(format_timeline(read_trace(file), tokens=tokens))
+    with cut_warnings_to(lambda m: click.echo(f"[warning: {m}]", err=True)):
+        click.echo(format_timeline(read_trace(file), tokens=tokens))
 
 
 @trace.command("replay")
 @click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
+@click.option("--model", "-m", "model_spec", default=None, type=MODEL, help=MODEL_HELP)
 def trace_replay(file, model_spec):
     """Re-run the arc of FILE with its seed (observations from the trace) and compare tokens."""
     from hybridlm.agent import replay
+    from hybridlm.agent.trace import cut_short, cut_warnings_to, read_trace
     from hybridlm.weights.loading import load_model
 
-    _check_replayable(file)  # the whole trace, before the model loads
-    from hybridlm.agent.trace import iter_trace
-
-    start = next(e for e in iter_trace(file) if e["event"] == "start")
-    arc, same, first = replay(file, load_model(model_spec, precision=start.get("precision", "float32")))
-    if same:
-        click.echo(f"identical: {arc.token_steps} token steps, {len(arc.jumps)} jumps reproduced")
-    else:
-        click.echo(f"differs from token step {first}")
-        raise SystemExit(1)
+    with cut_warnings_to(lambda m: click.echo(f"[warning: {m}]", err=True)):
+        _check_replayable(file)  # the whole trace, before the model loads
+        events = read_trace(file)
+        start = next(e for e in events if e["event"] == "start")
+        arc, same, first = replay(file, load_model(model_spec, precision=start.get("precision", "float32")))
+        if same and cut_short(events):  # a killed run: the replay stopped where the recording does
+            steps, jumps = (sum(e["event"] == kind for e in events) for kind in ("token", "jump"))
+            click.echo(f"identical as far as recorded: the {steps} recorded token steps and {jumps} "
+                       f"jump{'' if jumps == 1 else 's'} were reproduced; the recording is cut there (no end event: "
+                       "the run was killed)")
+        elif same:
+            click.echo(f"identical: {arc.token_steps} token steps, {len(arc.jumps)} jumps reproduced")
+        else:
+            click.echo(f"differs from token step {first}")
+            raise SystemExit(1)
 
 
 @cli.command()
 @click.argument("path", type=click.Path())
-@click.option("--out", "-o", type=click.Path(dir_okay=False), default=None,
+@click.option("--out", "-o", type=OUTPUT_FILE, default=None,
               help="The HTML file [default: the trace's name with .html, or report.html in the run folder].")
 @click.option("--states", "states_path", type=click.Path(dir_okay=False), default=None,
               help="The states file of an agent trace [default: the .safetensors beside it, when present].")
@@ -690,21 +770,23 @@ def report(path, out, states_path, otel):
     """Write one self-contained HTML report of PATH: an agent trace, a consensus run folder or a survey run folder."""
     from pathlib import Path
 
+    from hybridlm.agent.trace import cut_warnings_to
     from hybridlm.errors import InputError
     from hybridlm.report import detect, write_report
 
-    kind = detect(path)
-    if otel is not None and kind != "arc":
-        raise InputError(f"--otel exports an agent arc; {path} is a {kind} run folder")
-    if otel is not None:
-        from hybridlm.report.otel import export_trace, is_url
+    with cut_warnings_to(lambda m: click.echo(f"[warning: {m}]", err=True)):
+        kind = detect(path)
+        if otel is not None and kind != "arc":
+            raise InputError(f"--otel exports an agent arc; {path} is a {kind} run folder")
+        if otel is not None:
+            from hybridlm.report.otel import export_trace, is_url
 
-        n = export_trace(path, otel)
-        click.echo(f"exported {n} spans to {otel}{'' if is_url(otel) else ' (OTLP JSON lines)'}")
-    if out is None:
-        out = Path(path).with_suffix(".html") if kind == "arc" else Path(path) / "report.html"
-    kind, written = write_report(path, out, states=states_path)
-    click.echo(f"wrote {written} ({written.stat().st_size / 1024:.0f} KiB, {kind} report)")
+            n = export_trace(path, otel)
+            click.echo(f"exported {n} spans to {otel}{'' if is_url(otel) else ' (OTLP JSON lines)'}")
+        if out is None:
+            out = Path(path).with_suffix(".html") if kind == "arc" else Path(path) / "report.html"
+        kind, written = write_report(path, out, states=states_path)
+        click.echo(f"wrote {written} ({written.stat().st_size / 1024:.0f} KiB, {kind} report)")
 
 
 def _ray_options(fn):
@@ -765,7 +847,7 @@ def eval_group():
 
 
 @eval_group.command("agent")
-@click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
+@click.option("--model", "-m", "model_spec", default=None, type=MODEL, help=MODEL_HELP)
 @click.option("--n", "n", default=50, show_default=True, type=click.IntRange(min=1), help="Number of problems.")
 @click.option("--modes", default="tools,no-tools", show_default=True)
 @click.option("--out", type=OUTPUT_FILE, default=None, help="Write the full report as JSON.")
@@ -809,7 +891,7 @@ def eval_agent(model_spec, n, modes, out, shard_size, precision, use_ray, ray_ad
 
 
 @eval_group.command("bfcl")
-@click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
+@click.option("--model", "-m", "model_spec", default=None, type=MODEL, help=MODEL_HELP)
 @click.option("--categories", default="simple_python,live_simple,multiple,parallel", show_default=True,
               help="BFCL categories, comma-separated.")
 @click.option("--systems", default="constrained,free,llama.cpp", show_default=True,
@@ -817,7 +899,7 @@ def eval_agent(model_spec, n, modes, out, shard_size, precision, use_ray, ray_ad
 @click.option("--limit", default=None, type=click.IntRange(min=1), help="The first N tasks of each category.")
 @click.option("--every", default=1, show_default=True, type=click.IntRange(min=1),
               help="Every K-th task of each category (a sample spread over the whole list); --limit counts these.")
-@click.option("--out", type=click.Path(dir_okay=False), default="bfcl.jsonl", show_default=True,
+@click.option("--out", type=OUTPUT_FILE, default="bfcl.jsonl", show_default=True,
               help="Results, one JSON line per task (appended as it goes).")
 @click.option("--resume", is_flag=True, help="Continue --out: skip the tasks it already holds.")
 @_precision_option("auto")
@@ -857,7 +939,7 @@ def eval_bfcl(model_spec, categories, systems, limit, every, out, resume, precis
 
 
 @cli.command()
-@click.option("--model", "-m", "model_spec", default=None, help=MODEL_HELP)
+@click.option("--model", "-m", "model_spec", default=None, type=MODEL, help=MODEL_HELP)
 @click.option("--weights", type=click.Choice(["pretrained", "random-fixed", "random-redrawn"]), default="pretrained",
               show_default=True, help="Pretrained, random and fixed across passes, or redrawn every pass.")
 @click.option("--attention-only", is_flag=True, help="Remove the MLP sublayer (eq. 0.41).")
@@ -865,8 +947,9 @@ def eval_bfcl(model_spec, categories, systems, limit, every, out, resume, precis
 @click.option("--prompt-len", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--passes", default=20, show_default=True, type=click.IntRange(min=1))
 @click.option("--seed", default=0, show_default=True, type=SEED)
-@click.option("--device", default="auto", show_default=True, help="cpu, cuda, or auto (cuda when present).")
-@click.option("--out", type=click.Path(file_okay=False), default=None, help="Output folder (CSV, JSON, PNG, checkpoint).")
+@click.option("--device", default="auto", show_default=True, type=Device(remote=True),
+              help="cpu, cuda, or auto (cuda when present; on Ray, where the workers have one).")
+@click.option("--out", type=OUTPUT_FOLDER, default=None, help="Output folder (CSV, JSON, PNG, checkpoint).")
 @click.option("--table1", "sentence", default=None, type=TEXT, help="Print Table 1: the sentence decoded after 1, 2, 4, 10 passes.")
 @click.option("--shard-prompts", type=click.IntRange(min=1), default=None,
               help="With Ray: prompts per shard (a Ray task) [default: 8]; the numbers do not depend on it.")
@@ -880,10 +963,13 @@ def consensus(model_spec, weights, attention_only, prompts, prompt_len, passes, 
     on_ray = _on_ray(use_ray, ray_address, "--shard-prompts", shard_prompts)
     if sentence is not None and on_ray:
         raise InputError("--table1 runs one sentence in this process: drop --ray / --ray-address")
-    if device == "auto" and not on_ray:  # on Ray, the workers' GPUs decide
+    if not on_ray:  # on Ray, the workers' GPUs decide; here, this machine's
         import torch
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        else:
+            device = Device().convert(device, None, None)
     if sentence is not None:
         from hybridlm.analysis.consensus import table1
         from hybridlm.weights.loading import load_model
@@ -917,11 +1003,12 @@ def consensus(model_spec, weights, attention_only, prompts, prompt_len, passes, 
 
 @cli.command()
 @click.argument("spec", type=click.Path(dir_okay=False, exists=True))
-@click.option("--out", type=click.Path(file_okay=False), required=True,
+@click.option("--out", type=OUTPUT_FOLDER, required=True,
               help="Output folder: runs/<name>/ (each as `consensus --out` writes it), figures/, sweep.json.")
 @click.option("--scale", default="survey", show_default=True,
               help="survey: the spec as written; or a scale the spec defines (e.g. small, minutes on a laptop).")
-@click.option("--device", default="auto", show_default=True, help="cpu, cuda, or auto (cuda where the workers have one).")
+@click.option("--device", default="auto", show_default=True, type=Device(remote=True),
+              help="cpu, cuda, or auto (cuda where the workers have one).")
 @_ray_options
 def sweep(spec, out, scale, device, use_ray, ray_address):
     """Run a grid of consensus runs from SPEC.yaml (e.g. the survey's Figs. 6–9); a restart resumes."""
@@ -986,7 +1073,7 @@ def _survey_table(rows: list[tuple[str, str]], out) -> None:
 
 
 @survey.command("adjoint")
-@click.option("--out", type=click.Path(file_okay=False), required=True, help="Output folder (JSON, PNG).")
+@click.option("--out", type=OUTPUT_FOLDER, required=True, help="Output folder (JSON, PNG).")
 @click.option("--depth", default=8, show_default=True, type=int, help="Layers ℓ (ℓ ≥ 2).")
 @click.option("--width", default=6, show_default=True, type=int, help="Neurons n per layer.")
 @click.option("--samples", default=16, show_default=True, type=int)
@@ -1006,7 +1093,7 @@ def survey_adjoint(out, depth, width, samples, steps, lr, seed):
 
 
 @survey.command("euler")
-@click.option("--out", type=click.Path(file_okay=False), required=True, help="Output folder (JSON, PNG).")
+@click.option("--out", type=OUTPUT_FOLDER, required=True, help="Output folder (JSON, PNG).")
 @click.option("--depths", default="8,16,32,64,128", show_default=True, help="Depths ℓ, comma separated.")
 @click.option("--width", default=4, show_default=True, type=int)
 @click.option("--samples", default=8, show_default=True, type=int)
@@ -1023,7 +1110,7 @@ def survey_euler(out, depths, width, samples, kind, seed):
 
 
 @survey.command("memorise")
-@click.option("--out", type=click.Path(file_okay=False), required=True, help="Output folder (JSON, PNG).")
+@click.option("--out", type=OUTPUT_FOLDER, required=True, help="Output folder (JSON, PNG).")
 @click.option("--depths", default="2,4,8,16,32", show_default=True, help="Depths ℓ, comma separated.")
 @click.option("--samples", default=12, show_default=True, type=int)
 @click.option("--steps", default=300, show_default=True, type=int, help="Adam steps per depth.")
@@ -1039,7 +1126,7 @@ def survey_memorise(out, depths, samples, steps, lr, seed):
 
 
 @survey.command("neural-ode")
-@click.option("--out", type=click.Path(file_okay=False), required=True, help="Output folder (JSON, PNG).")
+@click.option("--out", type=OUTPUT_FOLDER, required=True, help="Output folder (JSON, PNG).")
 @click.option("--steps", default=150, show_default=True, type=int, help="Adam steps.")
 @click.option("--samples", default=64, show_default=True, type=int)
 @click.option("--lr", default=0.02, show_default=True, type=float)
@@ -1069,18 +1156,29 @@ def _logit_bias(entries) -> dict[int, float]:
     return out
 
 
-def _prompt_ids(prompt: str, model, *, as_ids: bool, chat: bool) -> list[int]:
+def _parse_ids(prompt: str) -> list[int]:
+    """--ids: the prompt as token ids, read before the model loads (the vocabulary is checked after)."""
+    from hybridlm.errors import InputError
+
+    parts = prompt.replace(",", " ").split()
+    if not parts:
+        raise InputError(f"empty prompt: --ids expects token ids separated by commas or spaces, got {prompt[:40]!r}")
+    try:
+        ids = [int(p) for p in parts]
+    except ValueError:
+        raise InputError(f"--ids expects integers separated by commas or spaces, got {prompt[:60]!r}") from None
+    negative = next((i for i in ids if i < 0), None)
+    if negative is not None:
+        raise InputError(f"--ids: token id {negative} is negative; ids count from 0")
+    return ids
+
+
+def _prompt_ids(prompt: str, model, *, ids: list[int] | None, chat: bool) -> list[int]:
     from hybridlm.alphabet import check_tokens
     from hybridlm.errors import InputError
 
     tok = model.tokenizer
-    if as_ids:
-        parts = prompt.replace(",", " ").split()
-        try:
-            ids = [int(p) for p in parts]
-        except ValueError:
-            raise InputError(f"--ids expects integers separated by commas or spaces, got {prompt!r}") from None
-    else:
+    if ids is None:
         if tok is None:
             raise InputError(f"model {model.source} has no tokenizer: pass token ids with --ids")
         text = tok.render_chat([{"role": "user", "content": prompt}]) if chat else prompt

@@ -416,9 +416,11 @@ def replay(trace_path: str | Path, model) -> tuple[Arc, bool, int | None]:
     The tools are rebuilt from the schemas in the trace and never called: the external
     mode's outputs are the recorded ones, so the replay is deterministic.
     Returns the new arc, whether its tokens equal the recorded ones, and the first token
-    step where they differ (None when identical).
+    step where they differ (None when identical). A recording without an end event (the run
+    was killed) is compared as far as it goes: the replay stops once it has made every recorded
+    token step and jump (its arc ends `cancelled`), and is identical when it made the same tokens.
     """
-    from hybridlm.agent.trace import read_trace
+    from hybridlm.agent.trace import cut_short, read_trace
 
     events = read_trace(trace_path)
     start = next((e for e in events if e["event"] == "start"), None)
@@ -436,8 +438,31 @@ def replay(trace_path: str | Path, model) -> tuple[Arc, bool, int | None]:
                         parallel_tool_calls=start.get("parallel_tool_calls", False),
                         context=start.get("context") or ContextPolicy())
     agent.replay = [e for e in events if e["event"] == "jump"]
-    arc = agent.run(start["task"])
-    ours = arc.generated_ids
+    cut = cut_short(events)
+    if not cut:
+        arc = agent.run(start["task"])
+    else:  # past the recording's last step there is nothing to compare with: stop there, not at the run's end
+        s = agent.sequence(start["task"])
+        engine = Engine(model, context=agent.context, prefix_cache=agent.prefix_cache)
+
+        class StopAtTheCut:
+            landed = 0
+
+            def on_event(self, s, event) -> None:
+                self.landed += event.kind == "jump"
+                if s.t >= len(recorded) and self.landed >= len(agent.replay):
+                    engine.cancel(s)  # taken at the next engine step
+
+        s.observers.append(StopAtTheCut())
+        engine.add(s)
+        try:
+            engine.run()
+        finally:
+            engine.close()
+        if s.error is not None:
+            raise s.error
+        arc = s.result
+    ours = arc.generated_ids[:len(recorded)] if cut else arc.generated_ids
     first = next((i + 1 for i, (a, b) in enumerate(zip(ours, recorded)) if a != b), None)
     if first is None and len(ours) != len(recorded):
         first = min(len(ours), len(recorded)) + 1

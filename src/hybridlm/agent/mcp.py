@@ -358,6 +358,10 @@ def tool_registry(tools: str = "calculator", *, kb: str | Path | None = None, mc
     `tools` is a comma-separated list of built-ins, or "none" for only the MCP servers' tools.
     """
     names = [n.strip() for n in tools.split(",") if n.strip()]
+    if not names:
+        raise InputError(f"--tools {tools!r}: expected tool names (e.g. calculator,clock) or none")
+    if not 0 < timeout_s < math.inf:
+        raise InputError(f"--mcp-timeout {timeout_s}: expected a positive, finite number of seconds")
     if names == ["none"]:
         names = []
     elif "none" in names:

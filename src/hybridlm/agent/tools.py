@@ -33,6 +33,7 @@ import referencing.exceptions
 
 from hybridlm.agent import sandbox
 from hybridlm.errors import InputError
+from hybridlm.files import read_text
 
 RUNS_IN = ("process", "thread")
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
@@ -273,17 +274,9 @@ MAX_KB_DEPTH = 64  # nesting of objects and arrays
 
 def read_knowledge_base(path: str | Path) -> dict:
     """A JSON object {key: value} from a file, its size, encoding and nesting bounded."""
-    path = Path(path)
+    text = read_text(path, "knowledge base", max_bytes=MAX_KB_BYTES)
     try:
-        size = path.stat().st_size
-        if size > MAX_KB_BYTES:
-            raise InputError(f"knowledge base {path}: {size:,} bytes; the limit is {MAX_KB_BYTES:,} bytes")
-        text = path.read_bytes().decode("utf-8")
         kb = json.loads(text)
-    except OSError as exc:
-        raise InputError(f"knowledge base {path}: cannot read it ({exc.strerror or exc})") from None
-    except UnicodeDecodeError as exc:
-        raise InputError(f"knowledge base {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except RecursionError:
         raise InputError(f"knowledge base {path}: nested too deep (the limit is {MAX_KB_DEPTH} levels)") from None
     except ValueError as exc:

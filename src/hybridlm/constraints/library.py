@@ -144,6 +144,15 @@ def regex_grammar(pattern: str) -> str:
         raise InputError(f"regular expression {pattern!r}: {_one_line(exc)}") from None
 
 
+def validate(grammar: str, what: str) -> str:
+    """The grammar, checked without a tokenizer (what can be found before a model loads);
+    InputError naming `what` and the library's reason."""
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise InputError(f"{what}: {_one_line(error)}")
+    return grammar
+
+
 def matcher(lib: llguidance.LLTokenizer, grammar: str, what: str) -> llguidance.LLMatcher:
     """A parser for the grammar, or InputError with the library's reason (checked before any decoding)."""
     m = llguidance.LLMatcher(lib, grammar, log_level=0)

@@ -35,6 +35,7 @@ from pathlib import Path
 from hybridlm.analysis.runner import ConsensusConfig, plot_compare, run_consensus
 from hybridlm.distributed.consensus import ShardedConsensus, run_many
 from hybridlm.errors import InputError
+from hybridlm.files import read_text
 
 FIELDS = {"model": str, "weights": str, "attention_only": bool, "prompts": int, "prompt_len": int, "passes": int,
           "seed": int}
@@ -65,16 +66,20 @@ class Sweep:
         return out
 
 
+MAX_SPEC_BYTES = 2**20  # a spec is a page of YAML
+
+
 def load_sweep(path: str | Path, scale: str = DEFAULT_SCALE) -> Sweep:
     """Read and check a spec, and expand it at `scale`: every mistake is found here, before
     any model is loaded."""
     import yaml
 
     path = Path(path)
+    text = read_text(path, "sweep spec", max_bytes=MAX_SPEC_BYTES)
     try:
-        spec = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise InputError(f"sweep spec {path}: cannot read it ({exc.strerror})") from None
+        spec = yaml.safe_load(text)
+    except RecursionError:
+        raise InputError(f"sweep spec {path}: nested too deeply to read") from None
     except yaml.YAMLError as exc:
         raise InputError(f"sweep spec {path}: not YAML ({str(exc).splitlines()[0]})") from None
     where = str(path)

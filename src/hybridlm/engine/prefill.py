@@ -53,9 +53,10 @@ class ContextPolicy:
         kind, _, delta = str(text).strip().partition(":")
         if delta:
             try:
-                return cls(kind, int(delta))
+                delta = int(delta)
             except ValueError:
-                raise InputError(f"context policy {text!r}: δ must be an integer, e.g. block:256") from None
+                raise InputError(f"context policy {text!r}: δ must be a positive integer, e.g. block:256") from None
+            return cls(kind, delta)
         return cls(kind)
 
     def margin(self, T: int) -> int:

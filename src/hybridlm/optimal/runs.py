@@ -42,9 +42,20 @@ def gradient_error_per_layer(net: adj.Network, x: torch.Tensor, y: torch.Tensor)
     return ((g.W - ref.W).flatten(1).norm(dim=1) / ref.W.flatten(1).norm(dim=1)).tolist()
 
 
+# the survey's experiments are small: sizes beyond these only exhaust memory, after minutes
+MAX_DEPTH, MAX_WIDTH, MAX_SAMPLES, MAX_STEPS = 4096, 1024, 100_000, 1_000_000
+
+
 def _check_depth(name: str, depth: int, least: int = 2) -> None:
-    if depth < least:
-        raise InputError(f"{name} = {depth}: expected a depth ℓ ≥ {least}")
+    if not least <= depth <= MAX_DEPTH:
+        raise InputError(f"{name} = {depth}: expected a depth ℓ ≥ {least} (and ≤ {MAX_DEPTH})")
+
+
+def _check_sizes(*, width: int = 1, samples: int = 1, steps: int = 0) -> None:
+    for name, value, low, high in (("width", width, 1, MAX_WIDTH), ("samples", samples, 1, MAX_SAMPLES),
+                                   ("steps", steps, 0, MAX_STEPS)):
+        if not low <= value <= high:
+            raise InputError(f"{name} = {value}: expected {low} ≤ {name} ≤ {high:,}")
 
 
 def _write(out: str | Path, stem: str, summary: dict, plot) -> dict:
@@ -60,9 +71,8 @@ def run_adjoint(out, *, depth: int = 8, width: int = 6, samples: int = 16, steps
                 lr: float = 0.5, seed: int = 0) -> dict:
     """Adjoint vs autograd per layer; costate rules vs adjoint per layer; training by (0.32)."""
     _check_depth("--depth", depth)
-    if width < 1 or samples < 1:
-        raise InputError(f"width = {width}, samples = {samples}: expected both ≥ 1")
-    if steps < 0 or not (math.isfinite(lr) and lr > 0):
+    _check_sizes(width=width, samples=samples, steps=steps)
+    if not (math.isfinite(lr) and lr > 0):
         raise InputError(f"steps = {steps}, learning rate η = {lr}: expected steps ≥ 0 and a finite η > 0")
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(samples, width, generator=g, dtype=torch.float64)
@@ -92,8 +102,7 @@ def run_euler(out, *, depths=(8, 16, 32, 64, 128), width: int = 4, samples: int 
     """Error (0.21) vs depth for the ResNet and the second-order schemes; log-log slopes."""
     for d in depths:
         _check_depth("depth", int(d))
-    if width < 1 or samples < 1:
-        raise InputError(f"width = {width}, samples = {samples}: expected both ≥ 1")
+    _check_sizes(width=width, samples=samples)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(samples, width, generator=g, dtype=torch.float64)
     model = random_model(width, seed=seed, kind=kind)
@@ -106,6 +115,7 @@ def run_memorise(out, *, depths=(2, 4, 8, 16, 32), samples: int = 12, steps: int
     """One control for all samples: memorisation error vs depth, width 2·max(n_in, n_out)+1."""
     for d in depths:
         _check_depth("depth", int(d))
+    _check_sizes(samples=samples, steps=steps)
     x, y = mem.sample_task(samples, seed=seed)
     runs = mem.error_vs_depth(x, y, depths, steps=steps, lr=lr, seed=seed)
     summary = {"samples": samples, "steps": steps, "lr": lr, "n_in": x.shape[1], "n_out": y.shape[1], "runs": runs}
@@ -114,6 +124,7 @@ def run_memorise(out, *, depths=(2, 4, 8, 16, 32), samples: int = 12, steps: int
 
 def run_neural_ode(out, *, steps: int = 150, samples: int = 64, lr: float = 0.02, seed: int = 0) -> dict:
     """Neural ODE on the spiral's time-1 map, adjoint gradients; adjoint vs autograd check."""
+    _check_sizes(samples=samples, steps=steps)
     x, y = node.spiral_task(samples, seed=seed)
     result = node.train(x, y, steps=steps, lr=lr, seed=seed)
     check = node.adjoint_vs_autograd(node.Field(seed=seed + 1), x, y, tol=1e-8)

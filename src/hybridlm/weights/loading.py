@@ -50,6 +50,8 @@ def load_model(
     if dtype is None:
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     spec = DEFAULT_MODEL if spec is None else spec
+    if isinstance(spec, str) and not spec.strip():
+        raise InputError(f"model {spec!r}: expected a model name (hybridlm models lists them), a folder or a .gguf file")
     direct = None  # a GGUF model can be built quantised straight from its cache
     if precision is not None and torch.device(device).type == "cpu" and dtype == torch.float32:
         path = _gguf_file(spec)
