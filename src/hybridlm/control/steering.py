@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,10 +111,14 @@ class Steering(Controller):
             vector = ContrastVector(vector, layer)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             raise InputError(f"steering scale {scale!r}: expected a finite number")
+        if not torch.is_tensor(vector.vector) or not torch.isfinite(vector.vector).all():
+            raise InputError("steering vector: expected finite numbers (it holds NaN or ±inf)")
+        if isinstance(from_pos, bool) or not isinstance(from_pos, numbers.Integral) or from_pos < 0:
+            raise InputError(f"from_pos={from_pos!r}: expected a position, an integer ≥ 0")
         self.vector = vector
         self.layer = vector.layer if layer is None else layer
         self.scale = float(scale)
-        self.from_pos = from_pos
+        self.from_pos = int(from_pos)
 
     def hooks(self, model):
         ContrastVector(self.vector.vector, self.layer, self.vector.model).check(model)

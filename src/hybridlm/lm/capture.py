@@ -21,6 +21,7 @@ recorder was attached, and the positions of its rows are recorded beside it
 from __future__ import annotations
 
 import json
+import numbers
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -55,6 +56,14 @@ class Recorder:
         self.model = model
         chosen = model._select(names)
         wanted_layers = None if layers is None else set(layers)
+        config = getattr(model, "config", None)
+        L, T = getattr(config, "n_layer", None), getattr(config, "n_ctx", None)
+        for what, values, bound in (("layer", wanted_layers, L), ("position", positions, T)):
+            for v in values or ():
+                if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0 or (
+                        bound is not None and v >= bound):
+                    raise InputError(f"{what} {v!r}: expected an integer 0 ≤ {what} < {bound}"
+                                     " (an index nothing would fire on records nothing)")
         self.names = [n for n in chosen if wanted_layers is None or _layer(n) in (None, *wanted_layers)]
         self.positions = None if positions is None else torch.tensor(sorted(set(positions)))
         self.last, self.decode_only, self.keep = last, decode_only, keep

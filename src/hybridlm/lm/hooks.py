@@ -23,6 +23,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from hybridlm.errors import InputError
+
 HookFn = Callable[[torch.Tensor, "HookPoint"], Optional[torch.Tensor]]
 
 
@@ -52,6 +54,18 @@ class HookContext:
     extra: dict = field(default_factory=dict)
 
 
+class UnknownHookPoint(InputError, KeyError):
+    """A hook point name the model does not have (a KeyError too, as a dict lookup would raise)."""
+
+    __str__ = Exception.__str__  # (KeyError's would quote the message)
+
+
+def _described(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return f"a {type(value).__name__}"
+
+
 class HookPoint(nn.Module):
     """Identity map with optional hooks; registered as a submodule to get its dotted name."""
 
@@ -68,6 +82,9 @@ class HookPoint(nn.Module):
         for fn in self.fns:
             out = fn(x, self)
             if out is not None:
+                if not (isinstance(out, torch.Tensor) and out.shape == x.shape and out.dtype == x.dtype):
+                    raise InputError(f"hook on {self.name} returned {_described(out)}: expected None or a tensor "
+                                     f"of shape {tuple(x.shape)} and dtype {x.dtype}, as it was given")
                 x = out
         return x
 
@@ -105,8 +122,8 @@ class HookedModule(nn.Module):
         try:
             return self._hook_points[name]
         except KeyError:
-            close = [n for n in self._hook_points if n.endswith(name.split(".")[-1])][:5]
-            raise KeyError(f"no hook point named {name!r}; e.g. {close or list(self._hook_points)[:5]}") from None
+            close = [n for n in self._hook_points if n.endswith(str(name).split(".")[-1])][:5]
+            raise UnknownHookPoint(f"no hook point named {name!r}; e.g. {close or list(self._hook_points)[:5]}") from None
 
     def _select(self, names: str | list[str] | Callable[[str], bool]) -> list[str]:
         if callable(names):
@@ -125,6 +142,8 @@ class HookedModule(nn.Module):
         try:
             for name, fn in pairs:
                 point = self.hook_point(name)
+                if not callable(fn):
+                    raise InputError(f"hook for {name}: expected a function fn(tensor, hook), got {_described(fn)}")
                 point.fns.append(fn)
                 attached.append((point, fn))
             yield

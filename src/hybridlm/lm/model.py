@@ -17,6 +17,7 @@ the logits z of the last position.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import nn
@@ -92,7 +93,7 @@ class StateSpaceForm:
         readout it keeps are ordinary tensors, free to be read, changed or differentiated
         afterwards.
         """
-        w = torch.as_tensor(w, dtype=torch.long, device=x.device)
+        w = self._as_ids(w).to(x.device)
         if w.dim() == 1:
             w = w[None, :] if x.batch == 1 else w[:, None]
         w = self._check_ids(w)
@@ -113,6 +114,7 @@ class StateSpaceForm:
         """x^b ← F(x^b, w_b) for B independent states (each one sequence), one token each: the
         engine's flow step. This form steps them one by one; a family whose parts take a ragged
         batch (`DecoderLM`) overrides it with one pass for all."""
+        w = _one_each(states, w)
         for x, token in zip(states, w):
             self.F(x, [int(token)])
         return states
@@ -124,9 +126,23 @@ class StateSpaceForm:
             raise InputError("the state is empty: prefill a string first (model.init_state)")
         return x.logits
 
+    @staticmethod
+    def _as_ids(ids) -> torch.Tensor:
+        """ids as a tensor, refusing what a cast to long would silently change (1.7 → 1, True → 1)."""
+        if not isinstance(ids, torch.Tensor):
+            try:
+                ids = torch.as_tensor(ids)
+            except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+                raise InputError(f"token ids must be integers, got {type(ids).__name__} ({exc})") from None
+        if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+            raise InputError(f"token ids must be integers, got a {ids.dtype} tensor")
+        return ids.long()  # ([] reads as an empty float tensor: nothing to change, "empty prompt" follows)
+
     def _check_ids(self, ids) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor):
-            ids = torch.as_tensor(ids, dtype=torch.long)
+            ids = self._as_ids(ids)
+        if ids.dtype == torch.bool:
+            raise InputError(f"token ids must be integers, got a {ids.dtype} tensor")
         if ids.dtype != torch.long:
             if ids.is_floating_point():
                 raise InputError(f"token ids must be integers, got a {ids.dtype} tensor")
@@ -140,6 +156,17 @@ class StateSpaceForm:
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def _one_each(states: list, w) -> list[int]:
+    """The engine's step takes one integer token per state."""
+    w = [t.item() if isinstance(t, torch.Tensor) and t.numel() == 1 else t for t in w]
+    if len(w) != len(states):
+        raise InputError(f"{len(states)} states and {len(w)} tokens: a step takes one token per state")
+    bad = next((t for t in w if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+    if bad is not None:
+        raise InputError(f"token {bad!r}: a step takes integer token ids")
+    return [int(t) for t in w]
 
 
 class DecoderLM(StateSpaceForm, HookedModule, Recordable):
@@ -240,6 +267,9 @@ class DecoderLM(StateSpaceForm, HookedModule, Recordable):
             state.reserve(m)
         h = self.embed(ids, pos) if prefix is None else self.embed(ids, pos, prefix)
         rotary = self.rotary  # (read once; slicing a ModuleList builds a new one, so only when asked)
+        if layers is not None and not (isinstance(layers, int) and not isinstance(layers, bool)
+                                       and 0 <= layers <= self.config.n_layer):
+            raise InputError(f"layers={layers!r}: expected a number of blocks 0 ≤ layers ≤ {self.config.n_layer}")
         blocks = self.blocks if layers is None else self.blocks[:layers]
         h = run_blocks(blocks, h, pos, state, rotary, token_step(self, h, state, rotary))
         if state is not None:
@@ -258,7 +288,7 @@ class DecoderLM(StateSpaceForm, HookedModule, Recordable):
         state b ends with the bits F(x^b, w_b) alone gives it. A state whose next token would
         pass the horizon T takes F alone (its rebuild from Π_T(s ∘ w)).
         """
-        w = [int(token) for token in w]
+        w = _one_each(states, w)
         check_tokens(w, self.config.vocab_size)
         T = self.config.n_ctx
         adopted = self._adopt(states, w)
