@@ -681,3 +681,56 @@ def test_serve_command_answers_the_openai_client():
         except subprocess.TimeoutExpired:
             p.kill()
     assert p.returncode == 0
+
+
+def test_nulls_negative_seeds_and_deprecated_functions(served, client):
+    """OpenAI's clients send explicit nulls and llama.cpp's send seed −1; the deprecated
+    functions/function_call are refused (not silently replaced by the server's own tools)."""
+    url, _ = served
+    body = {"model": MODEL, "messages": ask("Say hi."), "max_tokens": 3, "temperature": 0, "n": None, "stream": None,
+            "logprobs": None, "seed": -1}
+    status, out = raw(url, "POST", "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 200 and len(out["choices"]) == 1, out
+    again = client.chat.completions.create(model=MODEL, messages=ask("Tell me a word."), max_tokens=6, seed=-1,
+                                           temperature=1.0)
+    same = client.chat.completions.create(model=MODEL, messages=ask("Tell me a word."), max_tokens=6, seed=-1,
+                                          temperature=1.0)
+    assert again.choices[0].message.content == same.choices[0].message.content  # −1 is a seed like any other
+    for name, value in (("functions", [WEATHER["function"]]), ("function_call", "auto")):
+        status, out = raw(url, "POST", "/v1/chat/completions",
+                          json.dumps({"model": MODEL, "messages": ask("hi"), name: value}).encode())
+        assert status == 400 and out["error"]["param"] == name and "deprecated" in out["error"]["message"]
+
+
+def test_a_value_closed_by_max_tokens_says_length(client):
+    """max_tokens below a demanded call's or value's shortest form cuts it ("length", as OpenAI's
+    truncation does); a value that fits only because the budget closed it early is whole JSON and
+    says "length" too; one the model ended itself says "stop"."""
+    for kwargs in (dict(tools=[WEATHER], tool_choice="required"),
+                   dict(response_format={"type": "json_schema", "json_schema": {"name": "c", "strict": True, "schema": {
+                       "type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+                       "required": ["city", "country"], "additionalProperties": False}}})):
+        r = client.chat.completions.create(model=MODEL, messages=ask("Where is the Eiffel tower?"), max_tokens=4,
+                                           temperature=0, **kwargs)
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens <= 4
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+              "required": ["city", "country"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "strict": True, "schema": schema}}
+    for max_tokens in (12, 14, 200):
+        r = client.chat.completions.create(model=MODEL, messages=ask("Where is the Eiffel tower? Answer in JSON."),
+                                           max_tokens=max_tokens, temperature=0, response_format=fmt)
+        choice = r.choices[0]
+        jsonschema.validate(json.loads(choice.message.content), schema)  # always a whole value
+        # 12 and 14 leave less than the closing witness and its margin: the budget closes the value
+        assert choice.finish_reason == ("stop" if max_tokens == 200 else "length"), (max_tokens, choice)
+        assert r.usage.completion_tokens <= max_tokens
+
+
+def test_a_final_lone_angle_bracket_is_the_models():
+    from hybridlm.server.chat import render
+
+    tools = frozenset({"f"})
+    assert render(["a <<<"], final=True, client_tools=tools, cut=False).content == "a <<<"  # the model ended it
+    assert render(["a <<<"], final=True, client_tools=tools, cut=True).content == "a <<"  # a call cut by the budget
+    assert render(["a <tool_c"], final=True, client_tools=tools).content == "a "
+    assert render(["a <"], final=False, client_tools=tools).content == "a "  # held back while it may still open

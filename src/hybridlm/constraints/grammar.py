@@ -52,6 +52,7 @@ class GrammarConstraint:
         self._forced: int | None = None  # the witness token the last mask allowed alone
         self._next_check = 0  # the token count at which the closing witness is checked next
         self._plan: list[int] = []  # the rest of the witness being forced
+        self.forced = False  # the budget has forced the closing witness (the value was cut short to fit)
 
     def fresh(self, budget: int | None | str = "same") -> "GrammarConstraint":
         """The same constraint at its start, sharing the compiled grammar (another turn with the
@@ -64,7 +65,7 @@ class GrammarConstraint:
         new.budget = budget
         new.matcher = self.matcher.deep_copy()
         new.matcher.reset()
-        new.tokens, new._forced, new._next_check, new._plan = [], None, 0, []
+        new.tokens, new._forced, new._next_check, new._plan, new.forced = [], None, 0, [], False
         new._buffer = library.MaskBuffer(self.lib.vocab_size)
         return new
 
@@ -138,7 +139,7 @@ class GrammarConstraint:
         if slack > 0 or witness is None:
             self._next_check = len(self.tokens) + max(1, slack // 2)
             return None
-        self._plan = witness
+        self._plan, self.forced = witness, True
         return witness[0]
 
 

@@ -173,7 +173,8 @@ class ChatSystem(AgentSystem):
         if token in s.stop_ids and not in_D:
             s.finished = Termination.STOP_TOKEN
         elif s.constraint is not None and s.constraint.finished and not in_D:
-            s.finished = Termination.CONSTRAINT
+            # a value the budget closed early is cut short, as a text at max_tokens is ("length")
+            s.finished = Termination.TOKEN_BUDGET if getattr(s.constraint, "forced", False) else Termination.CONSTRAINT
         elif self.plan.stop and not in_D:
             free = self.tokenizer.decode([i for i in s.turn if i not in s.stop_ids]).split(OPEN, 1)[0]
             if any(stop in free for stop in self.plan.stop):
@@ -259,19 +260,21 @@ class View:
 
 
 def render(turns: list[str], *, final: bool, stops: tuple[str, ...] = (), client_tools=frozenset(),
-           calls_possible: bool = True) -> View:
+           calls_possible: bool = True, cut: bool = True) -> View:
     """The content and client-side calls of an arc whose turns' texts are `turns` (in order).
 
     The content is the free text of every turn (the text before its first call), cut before
     the first stop string. The calls are those of the last turn that name a client-side
-    tool. Unless `final`, text that a later token could still change is held back.
+    tool. Unless `final`, text that a later token could still change is held back; when final,
+    a call's opening cut short is dropped only if the budget may have `cut` the text.
     """
     content = ""
     last = len(turns) - 1
     for j, text in enumerate(turns):
         free, _, _ = text.partition(OPEN)
         if j == last and OPEN not in text and calls_possible:  # a call's opening cut short is not content
-            free = free[: len(free) - _partial(free, (OPEN,))]
+            if not final or cut:  # a text the model ended itself keeps its "<" ("<<<" stays "<<<")
+                free = free[: len(free) - _partial(free, (OPEN,))]
         content += free
     for stop in stops:
         at = content.find(stop)

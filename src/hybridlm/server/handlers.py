@@ -292,11 +292,12 @@ class ChoiceState:
         return {"content": entries, "refusal": None}
 
 
-def _view(prep: Prepared, turns: list[str], final: bool) -> C.View:
+def _view(prep: Prepared, turns: list[str], final: bool, s=None) -> C.View:
     plan = prep.plan
     possible = plan is not None and bool(plan.offered) and plan.tool_choice != "none"
+    cut = s is None or s.arc.termination not in (Termination.STOP_TOKEN, Termination.STOP_SEQUENCE)
     return C.render(turns, final=final, stops=prep.stops, client_tools=plan.client_tools if plan else frozenset(),
-                    calls_possible=possible)
+                    calls_possible=possible, cut=cut)
 
 
 def _token_logprob(tok, lib, event) -> dict:
@@ -343,7 +344,7 @@ def chat_response(prep: Prepared, service: Service) -> dict:
     for i, s in enumerate(prep.sequences):
         if s.arc.termination is Termination.ERROR:
             raise _error_of(s)
-        view = _view(prep, C.turns_of(s, tok), final=True)
+        view = _view(prep, C.turns_of(s, tok), final=True, s=s)
         calls = [{"id": C.call_id(s, c.index), "type": "function",
                   "function": {"name": c.name, "arguments": c.arguments}} for c in view.calls]
         message = {"role": "assistant", "content": view.content if view.content or not calls else None,
@@ -457,7 +458,7 @@ async def stream_chat(prep: Prepared, queue: asyncio.Queue, service: Service, tt
                     ttft(st.first_token - prep.received)
                 if event.kind != "token":
                     continue
-            view = _view(prep, st.texts(), final=final)
+            view = _view(prep, st.texts(), final=final, s=st.s if final else None)
             for text in _deltas(st, view, i, prep, service, lib):
                 yield text
             # tokens that are no content (a call's markup and arguments, a stop sequence's text)

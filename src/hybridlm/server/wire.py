@@ -116,7 +116,8 @@ class _Sampling(_Body):
     temperature: Num | None = Field(default=None, ge=0, le=2)
     top_p: Num | None = Field(default=None, gt=0, le=1)
     top_k: Int | None = Field(default=None, ge=1)  # an extension (llama.cpp and vLLM accept it)
-    seed: Int | None = Field(default=None, ge=0, le=2**64 - 1)
+    # any 64-bit integer, signed or not (llama.cpp's clients send -1); taken modulo 2⁶⁴
+    seed: Int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     n: Int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     stream: Flag = False
@@ -137,6 +138,8 @@ class ChatBody(_Sampling):
     max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: Flag = False
     top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    functions: Any = None  # OpenAI's deprecated form of tools: refused, not ignored
+    function_call: Any = None
 
 
 class CompletionBody(_Sampling):
@@ -162,6 +165,8 @@ def parse_body(raw: bytes | str | dict, cls: type[BaseModel]) -> BaseModel:
         data = raw
     if not isinstance(data, dict):
         raise invalid(f"the request body must be a JSON object, got a JSON {type(data).__name__}")
+    # an explicit null is the parameter's default, as OpenAI, vLLM and llama.cpp read it ("n": null)
+    data = {k: v for k, v in data.items() if v is not None}
     where = _lone_surrogate(data)
     if where is not None:
         raise invalid(f"'{where}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair): "
@@ -223,6 +228,9 @@ def parse_chat(raw) -> ChatBody:
         raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed with stream: true", param="stream_options")
+    for old, new in (("functions", "tools"), ("function_call", "tool_choice")):
+        if getattr(body, old) is not None:
+            raise invalid(f"{old} is OpenAI's deprecated form of {new}: send {new} instead", param=old)
     for i, m in enumerate(body.messages):
         _check_message(m, i)
     _check_tool_turns(body.messages)
