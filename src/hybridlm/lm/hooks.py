@@ -83,8 +83,9 @@ class HookPoint(nn.Module):
             out = fn(x, self)
             if out is not None:
                 if not (isinstance(out, torch.Tensor) and out.shape == x.shape and out.dtype == x.dtype):
-                    raise InputError(f"hook on {self.name} returned {_described(out)}: expected None or a tensor "
-                                     f"of shape {tuple(x.shape)} and dtype {x.dtype}, as it was given")
+                    where = self.name or "a hook point"
+                    raise InputError(f"hook on {where} returned {_described(out)}: expected None or a tensor of "
+                                     f"shape {tuple(x.shape)} and dtype {x.dtype}, as it was given")
                 x = out
         return x
 
