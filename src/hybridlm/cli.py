@@ -72,16 +72,17 @@ class Text(click.ParamType):
         return value
 
 
-class OutputFile(click.ParamType):
-    """A file to write: its folder must exist and be a writable folder, the path no folder itself.
-    Checked when the command line is read, before any model loads."""
+class Output(click.ParamType):
+    """A file (or folder) to write: opened (or made) before any model loads, with `check`'s reason
+    (hybridlm.files) when it cannot be."""
 
-    name = "file"
+    def __init__(self, name: str, check: str) -> None:
+        self.name, self.check = name, check
 
     def convert(self, value, param, ctx):
-        from hybridlm.files import writable
+        from hybridlm import files
 
-        why = writable(value)
+        why = getattr(files, self.check)(value)
         if why is not None:
             self.fail(why, param, ctx)
         return str(value)
@@ -116,20 +117,6 @@ class Device(click.ParamType):
         return text
 
 
-class OutputFolder(click.ParamType):
-    """A folder to write into (made if missing): checked when the command line is read."""
-
-    name = "folder"
-
-    def convert(self, value, param, ctx):
-        from hybridlm.files import creatable_folder
-
-        why = creatable_folder(value)
-        if why is not None:
-            self.fail(why, param, ctx)
-        return str(value)
-
-
 class ModelSpec(click.ParamType):
     """--model: a name, a folder or a .gguf file; an empty value is refused before anything loads
     (as a path it would be the current folder)."""
@@ -143,7 +130,8 @@ class ModelSpec(click.ParamType):
         return value
 
 
-SEED, TEXT, OUTPUT_FILE, OUTPUT_FOLDER, MODEL = Seed(), Text(), OutputFile(), OutputFolder(), ModelSpec()
+SEED, TEXT, MODEL = Seed(), Text(), ModelSpec()
+OUTPUT_FILE, OUTPUT_FOLDER = Output("file", "writable"), Output("folder", "creatable_folder")
 
 
 @click.group(cls=Group)
@@ -227,6 +215,10 @@ def _context_option(fn):
 MAX_CONSTRAINT_BYTES = 8 * 2**20  # a schema or grammar file larger than this is not one
 
 
+def _flag(kind: str) -> str:
+    return "--" + kind.replace("_", "-")
+
+
 def _constraint_source(schema_file, regex, grammar_file):
     """(kind, source) of the output constraint asked for, read and checked before the model loads."""
     from hybridlm.constraints.library import json_grammar, lark_grammar, regex_grammar, validate
@@ -237,7 +229,7 @@ def _constraint_source(schema_file, regex, grammar_file):
         raise InputError("--regex '': expected a pattern (an empty one would constrain nothing)")
     given = [(k, v) for k, v in (("json_schema", schema_file), ("regex", regex), ("grammar", grammar_file)) if v]
     if len(given) > 1:
-        raise InputError(f"{' and '.join('--' + k.replace('_', '-') for k, _ in given)} exclude each other: "
+        raise InputError(f"{' and '.join(_flag(k) for k, _ in given)} exclude each other: "
                          "give one constraint")
     if not given:
         return None
@@ -245,7 +237,7 @@ def _constraint_source(schema_file, regex, grammar_file):
     if kind == "regex":
         validate(regex_grammar(value), "--regex")
         return kind, value
-    text = read_text(value, f"--{kind.replace('_', '-')}", max_bytes=MAX_CONSTRAINT_BYTES)
+    text = read_text(value, _flag(kind), max_bytes=MAX_CONSTRAINT_BYTES)
     if kind == "json_schema":
         try:
             schema = json.loads(text)
@@ -272,9 +264,8 @@ def _constraint(source, model, budget: int):
     constraint = build(model.tokenizer, value, budget=max(budget, 1), vocab_size=model.config.vocab_size)
     shortest = constraint.shortest_completion()
     if shortest is not None and shortest > budget:
-        flag = {"json_schema": "--json-schema", "regex": "--regex", "grammar": "--grammar"}[kind]
-        raise InputError(f"--max-new-tokens {budget} cannot hold a value of the {flag} constraint: its shortest "
-                         f"completion found takes {shortest} tokens")
+        raise InputError(f"--max-new-tokens {budget} cannot hold a value of the {_flag(kind)} constraint: its "
+                         f"shortest completion found takes {shortest} tokens")
     return constraint
 
 
@@ -516,12 +507,20 @@ def agent(task, model_spec, tools, kb, tool_choice, parallel, max_jumps, max_new
 
 def _drop_without_grammar(reg, model) -> None:
     """Leave out (and name) the MCP tools whose arguments the call grammar cannot write yet."""
-    from hybridlm.agent.automaton import without_grammar
+    import warnings
 
-    for name, reason in without_grammar(reg, model.tokenizer).items():
-        server = reg.tools[name].server
+    from hybridlm.agent.automaton import ToolNotOffered, offerable
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ToolNotOffered)
+        kept = offerable(reg, model.tokenizer)
+    for name in set(reg.tools) - set(kept.tools):
         del reg.tools[name]
-        click.echo(f"[note: tool {name}{' of ' + server if server else ''} is not offered: {reason}]", err=True)
+    for w in caught:
+        if issubclass(w.category, ToolNotOffered):
+            click.echo(f"[note: {w.message}]", err=True)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def _plant_plan(name, speed, horizon, period, band) -> dict:

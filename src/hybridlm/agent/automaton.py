@@ -265,6 +265,10 @@ class AgentSystem(HybridSystem):
                 "tools": [{**t.schema(), **({"server": t.server} if t.server else {})} for t in agent.tools]}
 
 
+class ToolNotOffered(UserWarning):
+    """A tool server's tool left out: the call constraint cannot compile its schema."""
+
+
 def without_grammar(tools: ToolRegistry, tokenizer) -> dict[str, str]:
     """The tools whose argument schemas the call constraint cannot compile, and why (one line each)."""
     missing = {}
@@ -290,7 +294,8 @@ def offerable(tools: ToolRegistry, tokenizer) -> ToolRegistry:
     if own:
         raise InputError(missing[own[0]])
     for name, reason in missing.items():
-        warnings.warn(f"tool {name} of {tools.tools[name].server} is not offered: {reason}", stacklevel=3)
+        warnings.warn(f"tool {name} of {tools.tools[name].server} is not offered: {reason}", ToolNotOffered,
+                      stacklevel=3)
     return ToolRegistry({n: t for n, t in tools.tools.items() if n not in missing}, tools.max_output_chars)
 
 

@@ -120,8 +120,7 @@ class MCPServers:
 
     def __init__(self, specs: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-        if not 0 < timeout_s < math.inf:
-            raise InputError(f"MCP timeout {timeout_s}: expected a positive, finite number of seconds")
+        _check_timeout(timeout_s, "MCP timeout")
         self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
         self.connections = [_Connection(ServerSpec.parse(s)) for s in specs]
         self.tools: list[Tool] = []
@@ -277,6 +276,11 @@ class MCPServers:
         self.close()
 
 
+def _check_timeout(timeout_s: float, what: str) -> None:
+    if not 0 < timeout_s < math.inf:
+        raise InputError(f"{what} {timeout_s}: expected a positive, finite number of seconds")
+
+
 MAX_DESCRIPTION = 1000  # characters of a tool's description shown to the model
 
 
@@ -360,8 +364,7 @@ def tool_registry(tools: str = "calculator", *, kb: str | Path | None = None, mc
     names = [n.strip() for n in tools.split(",") if n.strip()]
     if not names:
         raise InputError(f"--tools {tools!r}: expected tool names (e.g. calculator,clock) or none")
-    if not 0 < timeout_s < math.inf:
-        raise InputError(f"--mcp-timeout {timeout_s}: expected a positive, finite number of seconds")
+    _check_timeout(timeout_s, "--mcp-timeout")
     if names == ["none"]:
         names = []
     elif "none" in names:

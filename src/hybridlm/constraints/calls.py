@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from hybridlm.constraints import library
@@ -51,19 +51,15 @@ def _parse(text: str, names: set[str] | None) -> tuple[list[ToolCall], str | Non
     if not isinstance(text, str):
         return [], f"expected text, got {type(text).__name__}"
     calls: list[ToolCall] = []
-    at = text.find(OPEN)
-    if at < 0:
+    if OPEN not in text:
         return [], f"no {OPEN} in the text"
-    while at >= 0:
-        start = at + len(OPEN)
-        end = call_end(text, start)
+    for start, end in call_spans(text):
         if end < 0:
             return calls, f"call {len(calls) + 1}: {OPEN} is never closed by {CLOSE}"
         call, error = _one_call(text[start:end], names)
         if error is not None:
             return calls, f"call {len(calls) + 1}: {error}"
         calls.append(call)
-        at = text.find(OPEN, end + len(CLOSE))
     return calls, None
 
 
@@ -92,15 +88,20 @@ def call_end(text: str, start: int, *, partial: bool = False) -> int:
     return j if text.startswith(CLOSE, j) else text.find(CLOSE, j)
 
 
-def call_is_open(text: str) -> bool:
-    """The text's last <tool_call> has not been closed yet (the text is still being written)."""
+def call_spans(text: str, *, partial: bool = False) -> Iterator[tuple[int, int]]:
+    """(start, end) of each call's body in the text, in order: from after <tool_call> to its
+    </tool_call> (call_end); the last has end −1 when it is not closed."""
     at = text.find(OPEN)
     while at >= 0:
-        end = call_end(text, at + len(OPEN), partial=True)
-        if end < 0:
-            return True
-        at = text.find(OPEN, end + len(CLOSE))
-    return False
+        start = at + len(OPEN)
+        end = call_end(text, start, partial=partial)
+        yield start, end
+        at = text.find(OPEN, end + len(CLOSE)) if end >= 0 else -1
+
+
+def call_is_open(text: str) -> bool:
+    """The text's last <tool_call> has not been closed yet (the text is still being written)."""
+    return any(end < 0 for _, end in call_spans(text, partial=True))
 
 
 def _one_call(body: str, names: set[str] | None) -> tuple[ToolCall | None, str | None]:

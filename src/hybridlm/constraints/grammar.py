@@ -200,7 +200,20 @@ def _progress(out: list[int], allowed, closers: list[int], separators: list[int]
     return None
 
 
-_closers: dict[int, list[int]] = {}
+_per_tokenizer: dict[tuple[str, int], list] = {}  # (what, id of the library's tokenizer) -> token ids
+
+
+def _memo(what: str, lib: llguidance.LLTokenizer, build) -> list:
+    key = (what, id(lib))
+    if key not in _per_tokenizer:
+        _per_tokenizer[key] = build(lib)
+    return _per_tokenizer[key]
+
+
+def _token_bytes(lib: llguidance.LLTokenizer) -> list[tuple[bytes, int]]:
+    """(bytes, id) of every ordinary token, read once per tokenizer."""
+    return _memo("bytes", lib, lambda lib: [(lib.decode_bytes([i]), i) for i in range(lib.vocab_size)
+                                            if not lib.is_special_token(i)])
 
 
 def _closer_ids(lib: llguidance.LLTokenizer) -> list[int]:
@@ -211,26 +224,23 @@ def _closer_ids(lib: llguidance.LLTokenizer) -> list[int]:
     comma opens one more item, needed only where a required key is still to come),
     longest first.
     """
-    key = id(lib)
-    if key not in _closers:
-        texts = [(lib.decode_bytes([i]), i) for i in range(lib.vocab_size) if not lib.is_special_token(i)]
+    def build(lib):
+        texts = _token_bytes(lib)
         closing = [(len(b), b, i) for b, i in texts if b.strip() and all(chr(c) in CLOSERS for c in b)]
         zero = [i for b, i in texts if b == b"0"]
         order = sorted(closing, key=lambda p: (not p[1].startswith(b'"'), b"," in p[1], -p[0]))
-        _closers[key] = [i for _, _, i in order] + zero
-    return _closers[key]
+        return [i for _, _, i in order] + zero
 
-
-_separators: dict[int, list[int]] = {}
+    return _memo("closers", lib, build)
 
 
 def _separator_ids(lib: llguidance.LLTokenizer) -> list[int]:
     """The one-character tokens of SEPARATORS, in that order."""
-    key = id(lib)
-    if key not in _separators:
-        ids = {lib.decode_bytes([i]): i for i in range(lib.vocab_size) if not lib.is_special_token(i)}
-        _separators[key] = [ids[c.encode()] for c in SEPARATORS if c.encode() in ids]
-    return _separators[key]
+    def build(lib):
+        ids = dict(_token_bytes(lib))
+        return [ids[c.encode()] for c in SEPARATORS if c.encode() in ids]
+
+    return _memo("separators", lib, build)
 
 
 # ---------------------------------------------------------------------- constructors

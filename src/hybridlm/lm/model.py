@@ -134,19 +134,14 @@ class StateSpaceForm:
                 ids = torch.as_tensor(ids)
             except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
                 raise InputError(f"token ids must be integers, got {type(ids).__name__} ({exc})") from None
-        if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+            if ids.numel() == 0:  # [] reads as an empty float tensor: nothing to change, "empty prompt" follows
+                return ids.long()
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise InputError(f"token ids must be integers, got a {ids.dtype} tensor")
-        return ids.long()  # ([] reads as an empty float tensor: nothing to change, "empty prompt" follows)
+        return ids.long()
 
     def _check_ids(self, ids) -> torch.Tensor:
-        if not isinstance(ids, torch.Tensor):
-            ids = self._as_ids(ids)
-        if ids.dtype == torch.bool:
-            raise InputError(f"token ids must be integers, got a {ids.dtype} tensor")
-        if ids.dtype != torch.long:
-            if ids.is_floating_point():
-                raise InputError(f"token ids must be integers, got a {ids.dtype} tensor")
-            ids = ids.long()
+        ids = self._as_ids(ids)
         if ids.dim() == 1:
             ids = ids[None, :]
         if ids.dim() != 2:

@@ -34,7 +34,7 @@ from hybridlm.agent.automaton import AgentSystem
 from hybridlm.agent.protocol import RESPONSE_CLOSE, RESPONSE_OPEN, Protocol, as_json, tools_prompt
 from hybridlm.agent.tools import ToolRegistry
 from hybridlm.constraints import CLOSE, OPEN, json_schema_constraint, tool_call_constraint
-from hybridlm.constraints.calls import call_end
+from hybridlm.constraints.calls import call_spans
 from hybridlm.engine.arc import Termination
 from hybridlm.server.service import Continuation
 from hybridlm.server.wire import invalid, text_of
@@ -286,13 +286,9 @@ def render(turns: list[str], *, final: bool, stops: tuple[str, ...] = (), client
     calls: list[CallView] = []
     if turns and client_tools:
         text = turns[-1]
-        at = text.find(OPEN)
-        while at >= 0:
-            start = at + len(OPEN)
-            end = call_end(text, start, partial=not final)  # (a string argument may hold </tool_call>)
+        for start, end in call_spans(text, partial=not final):  # (a string argument may hold </tool_call>)
             closed = end >= 0
             name, arguments, complete = scan_call(text[start:end] if closed else text[start:])
-            at = text.find(OPEN, end + len(CLOSE)) if closed else -1
             if name is None or name not in client_tools:
                 continue
             if not final:
