@@ -22,7 +22,7 @@ import torch
 from hybridlm import load_model
 from hybridlm.agent import HybridAgent, Limits, ToolRegistry, tool
 from hybridlm.agent.evaluation import correct, problems
-from hybridlm.agent.tools import evaluate_arithmetic
+from hybridlm.tools import evaluate_arithmetic
 from hybridlm.agent.trace import read_trace
 
 

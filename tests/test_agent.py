@@ -13,7 +13,7 @@ import pytest
 from hybridlm.agent import HybridAgent, Limits, ToolRegistry, read_trace, registry, replay, tool
 from hybridlm.constraints import CLOSE, OPEN
 from hybridlm.agent.protocol import RESPONSE_CLOSE, RESPONSE_OPEN
-from hybridlm.agent.tools import calculator
+from hybridlm.tools import calculator
 from hybridlm.alphabet import truncate
 from hybridlm.errors import InputError
 from tests.agent_fakes import ScriptedModel
@@ -238,7 +238,7 @@ def test_a_prompt_beyond_the_context_is_one_line(tok):
 
 
 def test_a_servers_tool_the_grammar_cannot_write_is_left_out_with_a_warning(tok):
-    from hybridlm.agent.tools import Tool
+    from hybridlm.tools import Tool
 
     bad = {"type": "object", "properties": {"s": {"type": "string", "pattern": "(?<=a)b"}}, "required": ["s"]}
     reg = registry(["calculator"])

@@ -226,7 +226,7 @@ def test_optional_arguments_can_be_emitted(smol):
 
 
 def test_the_lookup_key_is_one_of_the_knowledge_base_keys(smol, tmp_path):
-    from hybridlm.agent.tools import lookup_tool
+    from hybridlm.tools import lookup_tool
 
     kb = tmp_path / "kb.json"
     kb.write_text(json.dumps({"speed_of_light": "299792458 m/s", "boiling point": "100 C"}))
@@ -397,7 +397,7 @@ def test_free_parser_never_raises(text):
 # ---------------------------------------------------------------------- the prompt follows the tools
 def test_the_prompt_follows_the_tools_offered(smol):
     from hybridlm.agent.protocol import Protocol
-    from hybridlm.agent.tools import ToolRegistry, Tool, registry
+    from hybridlm.tools import ToolRegistry, Tool, registry
 
     weather = ToolRegistry()
     weather.register(Tool("get_weather", "Weather of a city.", {"type": "object", "properties": {
@@ -583,7 +583,7 @@ def test_library_errors_are_one_line_with_their_cause(smol):
 
 def test_non_ascii_tool_names_are_shown_as_the_constraint_writes_them(smol):
     from hybridlm.agent.protocol import Protocol, call_text
-    from hybridlm.agent.tools import Tool, ToolRegistry
+    from hybridlm.tools import Tool, ToolRegistry
 
     reg = ToolRegistry()
     reg.register(Tool("天气", "Das Wetter einer Stadt (°C).", {"type": "object", "properties": {

@@ -13,7 +13,7 @@ import torch
 
 from hybridlm import Kernel, generate, load_model
 from hybridlm.agent import HybridAgent, registry, tool
-from hybridlm.agent.tools import ToolRegistry
+from hybridlm.tools import ToolRegistry
 from hybridlm.control import ContrastVector, Steering, ban_words
 from hybridlm.engine import (
     ArcState, ContextPolicy, Engine, HybridArc, HybridSystem, Limits, PrefixCache, Priority, Termination,

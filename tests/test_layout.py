@@ -26,7 +26,7 @@ LAYERS = [
     ("hybridlm.ssm",),
     ("hybridlm.weights",),
     ("hybridlm.engine",),
-    ("hybridlm.control", "hybridlm.constraints", "hybridlm.plant"),
+    ("hybridlm.control", "hybridlm.constraints", "hybridlm.plant", "hybridlm.tools"),
     ("hybridlm.agent", "hybridlm.analysis", "hybridlm.optimal"),
     ("hybridlm.report", "hybridlm.server", "hybridlm.distributed"),
     ("hybridlm.bench", "hybridlm.cli"),

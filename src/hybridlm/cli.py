@@ -454,7 +454,7 @@ def agent(task, model_spec, tools, kb, tool_choice, parallel, max_jumps, max_new
           figure_path, precision, context_policy, ban, steer, steer_layer, steer_scale):
     """Run TASK through the agentic hybrid automaton (generate ⇄ external modes)."""
     from hybridlm.agent import HybridAgent, Limits
-    from hybridlm.agent.mcp import tool_registry
+    from hybridlm.tools.mcp import tool_registry
     from hybridlm.errors import InputError
     from hybridlm.engine.sampling import Kernel
     from hybridlm.weights.loading import load_model
@@ -605,7 +605,7 @@ def _run_plant(model, reg, plan, task, *, kernel, limits, tool_choice, seed, cbf
 def serve(model_spec, model_id, host, port, tools, kb, api_key, max_batch, max_queue, prefix_cache_mb,
           continuation_mb, max_body_mb, max_jumps, max_arcs, log_level, mcp, mcp_timeout, precision, context_policy):
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, tools, streaming)."""
-    from hybridlm.agent.mcp import tool_registry
+    from hybridlm.tools.mcp import tool_registry
     from hybridlm.errors import InputError
     from hybridlm.server import Service, serve as run_server
     from hybridlm.weights.loading import load_model

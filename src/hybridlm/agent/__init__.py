@@ -1,7 +1,7 @@
 """The agentic hybrid automaton: generation and external modes, tools, jumps, traces."""
 
 from hybridlm.agent.automaton import Arc, HybridAgent, Jump, Limits, replay
-from hybridlm.agent.tools import Observation, Tool, ToolRegistry, calculator, registry, tool
+from hybridlm.tools import Observation, Tool, ToolRegistry, calculator, registry, tool
 from hybridlm.agent.trace import format_timeline, read_trace
 
 __all__ = [

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from hybridlm.agent.protocol import Protocol
-from hybridlm.agent.tools import Observation, Tool, ToolRegistry
+from hybridlm.tools import Observation, Tool, ToolRegistry
 from hybridlm.constraints import CLOSE, OPEN, call_is_open, parse_calls, tool_call_constraint
 from hybridlm.engine.arc import HybridArc, Termination
 from hybridlm.engine.engine import Engine

@@ -175,7 +175,7 @@ class HybridRunner:
 
     def __call__(self, task: Task) -> list[dict]:
         from hybridlm.agent.automaton import HybridAgent, Limits
-        from hybridlm.agent.tools import Tool, ToolRegistry
+        from hybridlm.tools import Tool, ToolRegistry
 
         tools = ToolRegistry()
         for f in task.functions:

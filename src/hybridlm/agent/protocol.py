@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 
 from hybridlm.constraints import CLOSE, OPEN
-from hybridlm.agent.tools import ToolRegistry
+from hybridlm.tools import ToolRegistry
 
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridlm.agent.automaton import HybridAgent, Limits
-from hybridlm.agent.tools import Tool, ToolRegistry
+from hybridlm.tools import Tool, ToolRegistry
 from hybridlm.agent.trace import NullTrace, TraceWriter, read_trace
 from hybridlm.engine.sampling import Kernel
 from hybridlm.errors import InputError

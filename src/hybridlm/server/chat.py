@@ -32,7 +32,7 @@ import torch
 
 from hybridlm.agent.automaton import AgentSystem
 from hybridlm.agent.protocol import RESPONSE_CLOSE, RESPONSE_OPEN, Protocol, as_json, tools_prompt
-from hybridlm.agent.tools import ToolRegistry
+from hybridlm.tools import ToolRegistry
 from hybridlm.constraints import CLOSE, OPEN, json_schema_constraint, tool_call_constraint
 from hybridlm.constraints.calls import call_spans
 from hybridlm.engine.arc import Termination

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridlm.agent.protocol import Protocol
-from hybridlm.agent.tools import ToolRegistry
+from hybridlm.tools import ToolRegistry
 from hybridlm.constraints import json_schema_constraint, library, tool_call_constraint
 from hybridlm.engine.arc import Termination
 from hybridlm.engine.clock import default_stops, sequence

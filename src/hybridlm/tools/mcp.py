@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from hybridlm.agent.tools import Observation, Tool, ToolRegistry, registry
+from hybridlm.tools.builtins import registry
+from hybridlm.tools.registry import Observation, Tool, ToolRegistry
 from hybridlm.errors import InputError
 
 DEFAULT_TIMEOUT_S = 30.0  # a tool call
