@@ -23,7 +23,8 @@ import pytest
 from click.testing import CliRunner
 
 from hybridlm.agent import HybridAgent, Limits, ToolRegistry, read_trace
-from hybridlm.tools.mcp import MCPServers, ServerSpec, mcp_tools, tool_registry
+from hybridlm.cli.options import tool_registry
+from hybridlm.tools.mcp import MCPServers, ServerSpec, mcp_tools
 from hybridlm.cli import cli
 from hybridlm.errors import InputError
 

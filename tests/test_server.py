@@ -335,7 +335,7 @@ def test_server_side_mcp_tool_is_a_jump_of_the_request(smollm2):
     brings no tools gets it, the server runs the call, and the arc names the tool's server."""
     from pathlib import Path
 
-    from hybridlm.tools.mcp import tool_registry
+    from hybridlm.cli.options import tool_registry
 
     server = f"{sys.executable} {Path(__file__).with_name('mcp_server.py')}"
     script = '<tool_call>{"name": "add", "arguments": {"a": 20, "b": 22}}</tool_call>'

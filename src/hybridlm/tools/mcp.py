@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from hybridlm.tools.builtins import registry
 from hybridlm.tools.registry import Observation, Tool, ToolRegistry
 from hybridlm.errors import InputError
 
@@ -121,7 +120,7 @@ class MCPServers:
 
     def __init__(self, specs: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-        _check_timeout(timeout_s, "MCP timeout")
+        check_timeout(timeout_s, "MCP timeout")
         self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
         self.connections = [_Connection(ServerSpec.parse(s)) for s in specs]
         self.tools: list[Tool] = []
@@ -277,7 +276,7 @@ class MCPServers:
         self.close()
 
 
-def _check_timeout(timeout_s: float, what: str) -> None:
+def check_timeout(timeout_s: float, what: str) -> None:
     if not 0 < timeout_s < math.inf:
         raise InputError(f"{what} {timeout_s}: expected a positive, finite number of seconds")
 
@@ -352,28 +351,4 @@ def mcp_tools(specs: Sequence[str], *, into: ToolRegistry | None = None,
             if t.name in reg:
                 raise InputError(f"MCP tool {t.name!r} of server {t.server} has the name of a tool already offered")
             reg.register(t)
-        yield reg
-
-
-@contextlib.contextmanager
-def tool_registry(tools: str = "calculator", *, kb: str | Path | None = None, mcp: Sequence[str] = (),
-                  timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[ToolRegistry]:
-    """The registry of the `--tools`, `--kb` and `--mcp` options (for `agent` and `serve`).
-
-    `tools` is a comma-separated list of built-ins, or "none" for only the MCP servers' tools.
-    """
-    names = [n.strip() for n in tools.split(",") if n.strip()]
-    if not names:
-        raise InputError(f"--tools {tools!r}: expected tool names (e.g. calculator,clock) or none")
-    _check_timeout(timeout_s, "--mcp-timeout")
-    if names == ["none"]:
-        names = []
-    elif "none" in names:
-        raise InputError(f"--tools {tools!r}: 'none' cannot be combined with other tools")
-    specs = [ServerSpec.parse(s).text for s in mcp]  # every bad value named before any server starts
-    reg = registry(names, kb=kb)
-    if not specs:
-        yield reg
-        return
-    with mcp_tools(specs, into=reg, timeout_s=timeout_s) as reg:
         yield reg
