@@ -4,7 +4,7 @@ and the checks `trace replay` makes before it loads a model."""
 import atheris
 
 with atheris.instrument_imports(include=["hybridlm"]):
-    from hybridlm.agent.trace import format_timeline, read_trace
+    from hybridlm.engine.trace import format_timeline, read_trace
     from hybridlm.cli.trace import check_replayable
     from hybridlm.errors import HybridLMError
 

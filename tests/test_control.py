@@ -268,8 +268,10 @@ def test_steering_vector_file_and_errors(toy_model, tmp_path):
 
 # ---------------------------------------------------------------------- agent
 def test_agent_filters_free_text_not_the_call(smollm2, tmp_path):
-    from hybridlm.agent import HybridAgent, read_trace, registry
-    from hybridlm.constraints import CLOSE, OPEN
+    from hybridlm.agent import HybridAgent
+    from hybridlm.engine.trace import read_trace
+    from hybridlm.tools import registry
+    from hybridlm.turns.codecs.tagged_json import CLOSE, OPEN
     from tests.agent_fakes import ScriptedModel
 
     tok = smollm2.tokenizer

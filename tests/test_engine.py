@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hybridlm import Kernel, generate, load_model
-from hybridlm.agent import HybridAgent, registry, tool
+from hybridlm.agent import HybridAgent
+from hybridlm.tools import registry, tool
 from hybridlm.tools import ToolRegistry
 from hybridlm.control import ContrastVector, Steering, ban_words
 from hybridlm.engine import (

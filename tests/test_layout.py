@@ -27,10 +27,15 @@ LAYERS = [
     ("hybridlm.weights",),
     ("hybridlm.engine",),
     ("hybridlm.control", "hybridlm.constraints", "hybridlm.plant", "hybridlm.tools"),
-    ("hybridlm.agent", "hybridlm.analysis", "hybridlm.optimal"),
-    ("hybridlm.report", "hybridlm.server", "hybridlm.distributed"),
+    ("hybridlm.turns", "hybridlm.analysis", "hybridlm.optimal"),
+    ("hybridlm.report",),
+    ("hybridlm.agent", "hybridlm.server"),
+    ("hybridlm.distributed",),
     ("hybridlm.bench", "hybridlm.cli"),
 ]
+# Rooms of one floor that stand side by side: neither imports the other (the agent and the server
+# both compose the tool-calling turn of the floor below; a chat request never climbs into the agent).
+APART = [("hybridlm.agent", "hybridlm.server")]
 
 
 def modules() -> dict[str, Path]:
@@ -131,6 +136,17 @@ def test_every_module_has_a_layer_and_imports_point_down():
     upward = sorted(f"{a} → {b}" for a, targets in edges.items() if a != "hybridlm"
                     for b in targets if layer(b) is not None and layer(b) > layer(a))
     assert upward == []
+
+
+def test_rooms_side_by_side_import_nothing_of_each_other():
+    edges = graph()
+
+    def within(name: str, room: str) -> bool:
+        return name == room or name.startswith(room + ".")
+
+    crossing = sorted(f"{a} → {b}" for a, targets in edges.items() for b in targets for left, right in APART
+                      if (within(a, left) and within(b, right)) or (within(a, right) and within(b, left)))
+    assert crossing == []
 
 
 def test_only_the_facade_imports_the_facade():

@@ -25,7 +25,9 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridlm.agent import HybridAgent, Limits, read_trace, registry
+from hybridlm.agent import HybridAgent, Limits
+from hybridlm.engine.trace import read_trace
+from hybridlm.tools import registry
 from hybridlm.cli import cli
 from hybridlm.report import arc_view, load_states, pca_2d, render_arc_report, write_report
 

@@ -28,7 +28,7 @@ from click.testing import CliRunner
 from agent_fakes import ScriptedModel
 from hybridlm.agent import HybridAgent, Limits
 from hybridlm.tools import registry
-from hybridlm.agent.trace import read_trace
+from hybridlm.engine.trace import read_trace
 from hybridlm.cli import cli
 from hybridlm.engine import Kernel, generate
 from hybridlm.server import Service, running
@@ -727,7 +727,7 @@ def test_a_value_closed_by_max_tokens_says_length(client):
 
 
 def test_a_final_lone_angle_bracket_is_the_models():
-    from hybridlm.server.chat import render
+    from hybridlm.turns import render
 
     tools = frozenset({"f"})
     assert render(["a <<<"], final=True, client_tools=tools, cut=False).content == "a <<<"  # the model ended it

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from hybridlm.agent.automaton import HybridAgent, Limits
 from hybridlm.tools import Tool, ToolRegistry
-from hybridlm.agent.trace import NullTrace, TraceWriter, read_trace
+from hybridlm.engine.trace import NullTrace, TraceWriter, read_trace
 from hybridlm.engine.sampling import Kernel
 from hybridlm.errors import InputError
 from hybridlm.plant.system import Plant

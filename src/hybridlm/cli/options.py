@@ -241,11 +241,11 @@ def drop_without_grammar(reg, model) -> None:
     """Leave out (and name) the MCP tools whose arguments the call grammar cannot write yet."""
     import warnings
 
-    from hybridlm.agent.automaton import ToolNotOffered, offerable
+    from hybridlm.turns import ToolNotOffered, codec_for, offerable
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ToolNotOffered)
-        kept = offerable(reg, model.tokenizer)
+        kept = offerable(reg, model.tokenizer, codec_for(model))
     for name in set(reg.tools) - set(kept.tools):
         del reg.tools[name]
     for w in caught:

@@ -20,7 +20,7 @@ def report(path, out, states_path, otel):
     """Write one self-contained HTML report of PATH: an agent trace, a consensus run folder or a survey run folder."""
     from pathlib import Path
 
-    from hybridlm.agent.trace import cut_warnings_to
+    from hybridlm.engine.trace import cut_warnings_to
     from hybridlm.errors import InputError
     from hybridlm.report import detect, write_report
 

@@ -17,7 +17,7 @@ def trace():
 @click.option("--tokens", is_flag=True, help="One line per token step.")
 def trace_show(file, tokens):
     """Print the arc recorded in FILE as a timeline."""
-    from hybridlm.agent.trace import cut_warnings_to, format_timeline, read_trace
+    from hybridlm.engine.trace import cut_warnings_to, format_timeline, read_trace
 
     with cut_warnings_to(lambda m: click.echo(f"[warning: {m}]", err=True)):
         click.echo(format_timeline(read_trace(file), tokens=tokens))
@@ -29,7 +29,7 @@ def trace_show(file, tokens):
 def trace_replay(file, model_spec):
     """Re-run the arc of FILE with its seed (observations from the trace) and compare tokens."""
     from hybridlm.agent import replay
-    from hybridlm.agent.trace import cut_short, cut_warnings_to, read_trace
+    from hybridlm.engine.trace import cut_short, cut_warnings_to, read_trace
     from hybridlm.weights.loading import load_model
 
     with cut_warnings_to(lambda m: click.echo(f"[warning: {m}]", err=True)):
@@ -54,7 +54,7 @@ def check_replayable(file) -> None:
     import dataclasses
 
     from hybridlm.agent import Limits
-    from hybridlm.agent.trace import check_event, iter_trace
+    from hybridlm.engine.trace import check_event, iter_trace
     from hybridlm.engine.sampling import Kernel
     from hybridlm.errors import InputError
 

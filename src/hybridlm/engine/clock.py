@@ -154,20 +154,9 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], *, kernel: Kernel = 
             raise InputError(f"prompt {b} is empty: every sequence needs at least one token")
     seqs = [sequence(model, p, kernel=kernel, max_new_tokens=max_new_tokens, seed=seed, stop_ids=stop_ids)
             for p, seed in zip(prompts, seeds)]
-    engine = Engine(model, max_batch=max_batch, context=context)
-    for s in seqs:
-        engine.add(s)
-    try:
-        engine.run()
-    finally:
-        engine.close()
-    out = []
-    for s in seqs:
-        if s.error is not None:
-            raise s.error
-        out.append(Generation(prompt_ids=list(s.prompt), steps=list(steps_of(s.arc.events)),
-                              stop_reason=s.arc.termination.value, arc=s.arc))
-    return out
+    Engine(model, max_batch=max_batch, context=context).solve(seqs)
+    return [Generation(prompt_ids=list(s.prompt), steps=list(steps_of(s.arc.events)),
+                       stop_reason=s.arc.termination.value, arc=s.arc) for s in seqs]
 
 
 def default_stops(model) -> set[int]:

@@ -109,6 +109,25 @@ class Engine:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
+    def solve(self, sequences: list[ArcState]) -> None:
+        """The sequences join, and the engine steps until every arc has ended; then it closes, with
+        every observer of theirs that can be closed (a trace writer), whatever happened. The first
+        sequence that ended in an error raises it."""
+        for s in sequences:
+            self.add(s)
+        try:
+            self.run()
+        finally:
+            self.close()
+            for s in sequences:
+                for obs in s.observers:
+                    close = getattr(obs, "close", None)
+                    if close is not None:
+                        close()
+        for s in sequences:
+            if s.error is not None:
+                raise s.error
+
     # ------------------------------------------------------------------ one step
     def step(self) -> bool:
         """One engine step; False when nothing was left to do."""

@@ -163,7 +163,7 @@ def export_arc(events: list[dict], target: str | os.PathLike, *, epoch_s: float 
 
 def export_trace(path: str | os.PathLike, target: str | os.PathLike) -> int:
     """Export a trace file's arc; its file was last written at the arc's end, which fixes the Unix time."""
-    from hybridlm.agent.trace import read_trace
+    from hybridlm.engine.trace import read_trace
 
     events = read_trace(path)
     walls = [e["wall_s"] for e in events if isinstance(e.get("wall_s"), (int, float))]
