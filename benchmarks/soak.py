@@ -217,7 +217,8 @@ def soak_server(args) -> int:
             if not events or events[-1]["event"] != "end":
                 problem = f"arc {ext['arcs'][0]}: no end event"
             elif events[-1]["stop_reason"] != ext["termination"][0]:
-                problem = f"arc {ext['arcs'][0]}: ends with {events[-1]['stop_reason']}, the response says {ext['termination'][0]}"
+                problem = (f"arc {ext['arcs'][0]}: ends with {events[-1]['stop_reason']}, "
+                           f"the response says {ext['termination'][0]}")
         except InputError as exc:
             problem = str(exc)
         trace.unlink(missing_ok=True)

@@ -81,7 +81,7 @@ def test_runner_writes_csv_json_png_and_resumes(tmp_path, monkeypatch):
     tiny_model = tiny()
     monkeypatch.setattr(R, "prepare_model", lambda cfg, device: tiny_model)
     cfg = R.ConsensusConfig(model="tiny", weights="random-redrawn", prompts=3, prompt_len=10, passes=4, seed=1)
-    full = R.run_consensus(cfg, tmp_path / "full", progress=False)
+    R.run_consensus(cfg, tmp_path / "full", progress=False)
     rows = list(csv.DictReader(open(tmp_path / "full" / "consensus.csv")))
     assert len(rows) == 1 + 4 * 3 and list(rows[0]) == R.COLUMNS
     summary = json.loads((tmp_path / "full" / "summary.json").read_text())

@@ -10,6 +10,7 @@ importer's own packages, which are already running).
 import ast
 import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -178,3 +179,22 @@ def test_the_server_leaves_huge_page_allocation_off(argv, thp):
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, check=True)
     assert out.stderr.split()[-1] == thp
+
+
+NOQA = re.compile(r"#\s*noqa\b(?::\s*[A-Z]+[0-9]+(?:\s*,\s*[A-Z]+[0-9]+)*)?(?P<why>.*)$")
+
+
+def test_every_noqa_says_why_on_its_line():
+    """A rule switched off is switched off for a reason, written beside it."""
+    bare = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            m = NOQA.search(line)
+            if m is not None and not re.search(r"[a-z]{2}", m.group("why")):
+                bare.append(f"{path.relative_to(ROOT.parent)}:{number}")
+    assert bare == []
+
+
+def test_the_noqa_check_finds_a_bare_one():
+    assert not re.search(r"[a-z]{2}", NOQA.search("x = 1  # noqa: E731").group("why"))
+    assert re.search(r"[a-z]{2}", NOQA.search("x = 1  # noqa: E731, B007 - a reason").group("why"))

@@ -14,7 +14,6 @@ import math
 import os
 import shutil
 import socket
-import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path

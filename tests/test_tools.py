@@ -111,7 +111,7 @@ def test_a_remote_ref_in_a_tool_schema_is_never_fetched():
     hits = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             hits.append(self.path)
             body = b'{"type": "integer"}'
             self.send_response(200)

@@ -10,7 +10,8 @@ from hybridlm.analysis.sphere import (
 )
 
 __all__ = [
-    "Deviation", "LayerGeometry", "LayerStep", "looped", "random_prompts", "table1", "SphereTrajectory", "consensus_E", "geometry_report",
+    "Deviation", "LayerGeometry", "LayerStep", "looped", "random_prompts", "table1", "SphereTrajectory", "consensus_E",
+    "geometry_report",
     "normalize_tokens", "on_layernorm_sphere", "plot_sphere_trajectory", "row_stochastic",
     "simulate_sphere", "sphere_field", "token_norms",
 ]

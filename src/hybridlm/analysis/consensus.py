@@ -117,9 +117,9 @@ def table1(model: DecoderLM, sentence: str, passes: tuple[int, ...] = (1, 2, 4, 
     if model.tokenizer is None:
         raise InputError(f"Table 1 needs a model with a tokenizer; {model.source} has none")
     ids = torch.tensor([model.tokenizer.encode(sentence)])
-    rows, h = [], embed(model, ids)
+    rows, h0 = [], embed(model, ids)
     last = max(passes)
-    for step, h in looped(model, h, passes=last, attention_only=attention_only):
+    for step, h in looped(model, h0, passes=last, attention_only=attention_only):
         if step.layer == model.config.n_layer - 1 and step.pass_ in passes:
             tokens = decode_positions(model, h)[0].tolist()
             top = max(set(tokens), key=tokens.count)

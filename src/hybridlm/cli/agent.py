@@ -41,7 +41,8 @@ def _plant_options(fn):
                    "name: the first turn calls that tool.")
 @click.option("--parallel-tool-calls", "parallel", is_flag=True,
               help="Several calls in one turn (each a jump, their observations injected in order).")
-@click.option("--max-jumps", default=None, type=click.IntRange(min=0), help="Jump horizon [default: 3; per decision with --plant: 2].")
+@click.option("--max-jumps", default=None, type=click.IntRange(min=0),
+              help="Jump horizon [default: 3; per decision with --plant: 2].")
 @click.option("--max-new-tokens", "-n", default=None, type=click.IntRange(min=1),
               help="Token budget of the whole arc [default: 160; per decision with --plant: 40].")
 @click.option("--temperature", "-t", type=float, default=None, help="Sample at τ > 0 (default: greedy).")

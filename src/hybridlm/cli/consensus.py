@@ -19,7 +19,8 @@ from hybridlm.cli.options import MODEL, MODEL_HELP, OUTPUT_FOLDER, SEED, TEXT, D
 @click.option("--device", default="auto", show_default=True, type=Device(remote=True),
               help="cpu, cuda, or auto (cuda when present; on Ray, where the workers have one).")
 @click.option("--out", type=OUTPUT_FOLDER, default=None, help="Output folder (CSV, JSON, PNG, checkpoint).")
-@click.option("--table1", "sentence", default=None, type=TEXT, help="Print Table 1: the sentence decoded after 1, 2, 4, 10 passes.")
+@click.option("--table1", "sentence", default=None, type=TEXT,
+              help="Print Table 1: the sentence decoded after 1, 2, 4, 10 passes.")
 @click.option("--shard-prompts", type=click.IntRange(min=1), default=None,
               help="With Ray: prompts per shard (a Ray task) [default: 8]; the numbers do not depend on it.")
 @ray_options

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -62,7 +64,9 @@ def _constraint(source, model, budget: int):
     if model.tokenizer is None:
         raise InputError(f"model {model.source} has no tokenizer: a constraint needs one")
     kind, value = source
-    build = {"json_schema": json_schema_constraint, "regex": regex_constraint, "grammar": grammar_constraint}[kind]
+    builds: dict[str, Callable[..., Any]] = {"json_schema": json_schema_constraint, "regex": regex_constraint,
+                                             "grammar": grammar_constraint}
+    build = builds[kind]
     constraint = build(model.tokenizer, value, budget=max(budget, 1), vocab_size=model.config.vocab_size)
     shortest = constraint.shortest_completion()
     if shortest is not None and shortest > budget:

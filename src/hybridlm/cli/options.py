@@ -172,7 +172,7 @@ def steering_vector(steer, steer_layer, steer_scale):
 
 def build_controllers(model, ban, vector, steer_layer, steer_scale) -> list:
     """The controllers the control options ask for (empty: the uncontrolled system)."""
-    out = []
+    out: list = []
     if vector is not None:
         from hybridlm.control import Steering
 
@@ -224,7 +224,8 @@ def precision_option(default: str):
     return add
 
 
-MODEL_HELP = "Model: a name (smollm2-135m, gpt2, random:gpt2, ...), a hub-layout folder or a .gguf file. Default: the embedded SmolLM2-135M-Instruct."
+MODEL_HELP = ("Model: a name (smollm2-135m, gpt2, random:gpt2, ...), a hub-layout folder or a .gguf file. "
+              "Default: the embedded SmolLM2-135M-Instruct.")
 
 
 def mcp_options(fn):

@@ -58,7 +58,7 @@ def tool_schema(schema, max_string: int | None = None):
     """
     if not isinstance(schema, dict):
         return schema
-    out = {}
+    out: dict = {}
     for key, value in schema.items():
         if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
             out[key] = {k: tool_schema(v, max_string) for k, v in value.items()}

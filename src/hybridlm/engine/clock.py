@@ -133,7 +133,7 @@ def generate(model, prompt_ids, *, state=None, context: ContextPolicy | str = Co
     """Run the recursion to its end and collect the steps (the arguments of `token_clock`)."""
     s = sequence(model, prompt_ids, **kwargs)
     steps = list(stream(model, s, state=state, context=context))
-    return Generation(prompt_ids=list(s.prompt), steps=steps, stop_reason=s.arc.termination.value, arc=s.arc)
+    return Generation(prompt_ids=list(s.prompt), steps=steps, stop_reason=_cause(s), arc=s.arc)
 
 
 def generate_batch(model, prompts: Sequence[Sequence[int]], *, kernel: Kernel = Kernel(), max_new_tokens: int = 64,
@@ -156,7 +156,14 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], *, kernel: Kernel = 
             for p, seed in zip(prompts, seeds)]
     Engine(model, max_batch=max_batch, context=context).solve(seqs)
     return [Generation(prompt_ids=list(s.prompt), steps=list(steps_of(s.arc.events)),
-                       stop_reason=s.arc.termination.value, arc=s.arc) for s in seqs]
+                       stop_reason=_cause(s), arc=s.arc) for s in seqs]
+
+
+def _cause(s: ArcState) -> str:
+    """The termination cause of an arc that has ended."""
+    if s.arc.termination is None:
+        raise RuntimeError(f"the arc of {s.name} has not ended")
+    return s.arc.termination.value
 
 
 def default_stops(model) -> set[int]:

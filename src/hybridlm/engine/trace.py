@@ -111,7 +111,7 @@ def StateRecorder(model, path: str | os.PathLike) -> Recorder:
     """h⁽ᴸ⁾ of the new token at every decode step of one sequence, written to `path` when its arc
     ends as `resid_final` [steps, d] beside `t`, the token step of each row."""
     point = f"blocks.{model.config.n_layer - 1}.hook_resid_post"
-    return Recorder(model, [point], last=True, decode_only=True, save=path, save_as="resid_final")
+    return Recorder(model, [point], last=True, decode_only=True, save=Path(path), save_as="resid_final")
 
 
 # ---------------------------------------------------------------------- reading

@@ -48,7 +48,7 @@ def arc_spans(events: list[dict], *, epoch_s: float | None = None) -> list:
     start, end = view["start"] or {}, view["end"] or {}
     last_wall = max([w for _, w, _ in view["wall_curve"]] + [0.0])
     base = time.time() - last_wall if epoch_s is None else epoch_s
-    ns = lambda wall: int(round((base + wall) * 1e9))  # noqa: E731
+    ns = lambda wall: int(round((base + wall) * 1e9))  # noqa: E731 - a one-line conversion, named for reading
 
     memory = InMemorySpanExporter()
     provider = TracerProvider(resource=Resource.create({"service.name": "hybridlm"}))

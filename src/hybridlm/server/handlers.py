@@ -14,6 +14,7 @@ import json
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ from hybridlm.turns import (
     TAGGED_JSON, CallCodec, Conversation, Offer, Protocol, View, codec_for, render, tool_call_constraint, turns_of,
 )
 
-FINISH = {
+FINISH: dict[Termination | None, str] = {
     Termination.STOP_TOKEN: "stop", Termination.STOP_SEQUENCE: "stop", Termination.CONSTRAINT: "stop",
     Termination.TOKEN_BUDGET: "length", Termination.JUMP_HORIZON: "length", Termination.JUMP_SET: "tool_calls",
 }
@@ -74,7 +75,7 @@ def _kernel(body, vocab: int) -> Kernel:
     for key in bias:
         if int(key) >= vocab:
             raise invalid(f"logit_bias key {key}: expected a token id < {vocab} (the vocabulary)", param="logit_bias")
-    inputs = dict(frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
+    inputs: dict[str, Any] = dict(frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
                   logit_bias=bias)
     try:
         if body.temperature == 0:
@@ -111,19 +112,20 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
     model, tok = service.model, service.tokenizer
     if not getattr(tok, "chat_template", None):
         raise invalid(f"the model {service.model_id} has no chat template; use /v1/completions", param="messages")
-    client = [{"name": t.function.name, "description": t.function.description, "parameters": t.function.parameters}
-              for t in body.tools or []]
+    client: list[dict[str, Any]] = [
+        {"name": t.function.name, "description": t.function.description, "parameters": t.function.parameters}
+        for t in body.tools or []]
     # The server's own tools are offered when the client names none, unless it asks for a structured
     # reply: response_format and callable tools exclude each other.
     wants_format = body.response_format is not None and body.response_format.type != "text"
     server = [] if body.tools is not None or service.tools is None or (wants_format and body.tool_choice is None) \
         else [{**t.schema(), **({"server": t.server} if t.server else {})} for t in service.tools]
     offered = client or server
-    choice = body.tool_choice
-    if choice is None:
+    asked_choice = body.tool_choice
+    if asked_choice is None:
         choice = "auto" if offered else "none"
-    elif not isinstance(choice, str):
-        choice = choice.function.name
+    else:
+        choice = asked_choice if isinstance(asked_choice, str) else asked_choice.function.name
     names = [t["name"] for t in offered]
     if choice == "required" and not offered:
         raise invalid("tool_choice 'required' needs tools (the request's, or the server's --tools)", param="tool_choice")
@@ -131,11 +133,11 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
         raise invalid(f"tool_choice names {choice!r}, which is not among the tools {names[:8]}", param="tool_choice")
     if not offered:
         choice = "none"
-    schema = None
+    schema: dict | bool | None = None
     rf = body.response_format
     if rf is not None and rf.type == "json_object":
         schema = {"type": "object"}
-    elif rf is not None and rf.type == "json_schema":
+    elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
         schema = rf.json_schema.schema_
     if schema is not None and offered and choice != "none":
         raise invalid("response_format with tools that may be called is not supported; give one or the other "
@@ -163,7 +165,7 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
         head = C.template_messages(messages[: i + 1], protocol)
         entry = service.continuations.get(C.conversation_key(head))
         if entry is not None:
-            observations = [results[c.id] for c in messages[i].tool_calls]
+            observations = [results[c.id] for c in messages[i].tool_calls or []]
             resume = protocol.observation_ids(head, observations, turn_closed=entry.turn_closed)
             tmpl = head + [{"role": "tool", "content": codec.render_result(y)} for y in observations]
     if entry is None:
@@ -193,7 +195,7 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
     notes = {"prompt_tokens": len(prompt), **({"continues": entry.arc} if entry is not None else {})}
     ident = f"chatcmpl-{secrets.token_hex(12)}"
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    seqs = []
+    seqs: list[ArcState] = []
     for i, seed in enumerate(_seeds(body)):
         system = Conversation(tok, protocol, offer, vocab_size=model.config.vocab_size, run=run, elsewhere=elsewhere,
                               kind="chat", notes=notes)
@@ -218,7 +220,8 @@ def prepare_completion(service: Service, body: CompletionBody) -> Prepared:
     kernel = _kernel(body, service.model.config.vocab_size)
     ident = f"cmpl-{secrets.token_hex(12)}"
     V = model.config.vocab_size
-    seqs, lengths, texts = [], [], []
+    seqs: list[ArcState] = []
+    lengths, texts = [], []
     stop_ids = default_stops(model)
     for p, prompt in enumerate(prompt_list(body.prompt)):
         if isinstance(prompt, str):
@@ -232,7 +235,7 @@ def prepare_completion(service: Service, body: CompletionBody) -> Prepared:
         if not ids:
             raise invalid(f"prompt[{p}] encodes to no tokens", param="prompt")
         budget = _budget(service, len(ids), body.max_tokens, "max_tokens", prompt="prompt")
-        for i, seed in enumerate(_seeds(body)):
+        for seed in _seeds(body):
             s = sequence(model, ids, kernel=kernel, max_new_tokens=budget, seed=seed, stop_ids=stop_ids, stop=stops,
                          name=f"{ident}-{len(seqs)}")
             s.logprobs = body.logprobs
@@ -358,7 +361,7 @@ def chat_response(prep: Prepared, service: Service) -> dict:
         view = _view(prep, turns_of(s, tok), final=True, s=s)
         calls = [{"id": C.call_id(s, c.index), "type": "function",
                   "function": {"name": c.name, "arguments": c.arguments}} for c in view.calls]
-        message = {"role": "assistant", "content": view.content if view.content or not calls else None,
+        message: dict[str, Any] = {"role": "assistant", "content": view.content if view.content or not calls else None,
                    "refusal": None}
         if calls:
             message["tool_calls"] = calls
@@ -392,7 +395,7 @@ def completion_response(prep: Prepared, service: Service) -> dict:
 
 
 def _completion_logprobs(tok, events, offset: int) -> dict:
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for e in events:
         text = tok.token_str(e["token"])
         out["tokens"].append(text)

@@ -12,17 +12,19 @@ import ast
 import json
 import math
 import operator
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from hybridlm.errors import InputError
 from hybridlm.files import read_text
 from hybridlm.tools.registry import Tool, ToolRegistry, tool
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+_BINARY: dict[type, Callable] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-_FUNCTIONS = {"sqrt": math.sqrt, "abs": abs, "round": round, "min": min, "max": max}
+_UNARY: dict[type, Callable] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_FUNCTIONS: dict[str, Callable] = {"sqrt": math.sqrt, "abs": abs, "round": round, "min": min, "max": max}
 _MAX_BITS = 13_300  # every intermediate integer: about 4,000 decimal digits
 _MAX_EXPRESSION = 10_000  # characters
 _MAX_NODES = 2_000  # operators, numbers and calls in one expression
@@ -56,7 +58,7 @@ def evaluate_arithmetic(expression: str) -> int | float:
 
 
 def _evaluate(node: ast.AST, expression: str) -> int | float:
-    def ev(node: ast.AST):
+    def ev(node: ast.AST) -> Any:
         if isinstance(node, ast.Expression):
             return ev(node.body)
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):

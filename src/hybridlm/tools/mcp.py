@@ -87,7 +87,7 @@ class ServerSpec:
             parts = urlsplit(self.url)
             return f"{parts.hostname}:{parts.port}" if parts.port else str(parts.hostname)
         script = next((a for a in self.args if not a.startswith("-")), None)
-        return Path(script or self.command).stem
+        return Path(script or self.command or self.text).stem
 
 
 @dataclass
@@ -168,7 +168,7 @@ class MCPServers:
                         break
                 ready.set_result(None)
                 await conn.stop.wait()
-        except BaseException as exc:  # noqa: BLE001 - recorded: the calls report it
+        except BaseException as exc:
             conn.dead = conn.dead or f"the session ended ({_reason(exc)})"
             if not ready.done():
                 ready.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
@@ -186,7 +186,7 @@ class MCPServers:
         conn.errlog = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")
         # the server gets the user's environment, as a command run from the shell does (the SDK's
         # default passes only HOME, PATH and a few others: tokens, PYTHONPATH, a venv were lost)
-        return stdio_client(StdioServerParameters(command=conn.spec.command, args=conn.spec.args,
+        return stdio_client(StdioServerParameters(command=str(conn.spec.command), args=conn.spec.args,
                                                   env=dict(os.environ)), errlog=conn.errlog)
 
     # ------------------------------------------------------------------ tools
@@ -257,7 +257,8 @@ class MCPServers:
             if conn.holder is not None and conn.client is not None:
                 with contextlib.suppress(BaseException):
                     conn.holder.result(10.0)  # stdio shutdown: stdin closed, 2 s grace, then terminate/kill
-        stuck = [c.task for c in self.connections if c.task is not None and not c.holder.done()]
+        stuck = [c.task for c in self.connections
+                 if c.task is not None and c.holder is not None and not c.holder.done()]
         if stuck:  # (a server that never finished its handshake): cancelled, and its shutdown awaited
             with contextlib.suppress(BaseException):
                 asyncio.run_coroutine_threadsafe(_cancel(stuck), self._loop).result(15.0)

@@ -37,7 +37,8 @@ class Protocol:
     """Renders the conversation of a run with the tokenizer's chat template, its calls and results
     in the call format of `codec`."""
 
-    def __init__(self, tokenizer, tools: Iterable = (), *, example: bool = True, codec: CallCodec = TAGGED_JSON) -> None:
+    def __init__(self, tokenizer, tools: Iterable = (), *, example: bool = True,
+                 codec: CallCodec = TAGGED_JSON) -> None:
         self.tokenizer, self.codec = tokenizer, codec
         self.schemas = [schema_of(t) for t in tools]
         self.example = example and any(s["name"] == "calculator" for s in self.schemas)

@@ -34,6 +34,7 @@ import torch
 
 from hybridlm.constraints import json_schema_constraint
 from hybridlm.engine.arc import Termination
+from hybridlm.engine.sequence import ArcState
 from hybridlm.engine.system import HybridSystem
 from hybridlm.tools import Observation
 from hybridlm.turns.constraint import FreeTurn, tool_call_constraint
@@ -70,8 +71,8 @@ class Conversation(HybridSystem):
     """H = (C, f, D, g) of a conversation with tools, its turns in the call format of `protocol.codec`."""
 
     def __init__(self, tokenizer, protocol: Protocol, offer: Offer, *, vocab_size: int | None,
-                 run: Run | None = None, elsewhere: Elsewhere | None = None, outcome: Callable[[Any], Any] | None = None,
-                 kind: str = "agent", notes: dict | None = None) -> None:
+                 run: Run | None = None, elsewhere: Elsewhere | None = None,
+                 outcome: Callable[[Any], Any] | None = None, kind: str = "agent", notes: dict | None = None) -> None:
         self.tokenizer, self.protocol, self.codec, self.offer = tokenizer, protocol, protocol.codec, offer
         self.vocab_size, self.run, self.elsewhere, self.outcome = vocab_size, run, elsewhere, outcome
         self.kind, self.notes = kind, dict(notes or {})
@@ -155,7 +156,7 @@ class Conversation(HybridSystem):
         names = self.elsewhere.names if self.elsewhere else ()
         return bool(names) and any(call.name in names for call in s.constraint.calls())
 
-    def jump(self, s):
+    def jump(self, s: ArcState) -> Callable[[], list[tuple[str, Any, Observation]]]:
         c = s.constraint
         s.call = c
         if isinstance(c, FreeTurn):
@@ -169,9 +170,9 @@ class Conversation(HybridSystem):
         ks = [s.k + i for i in range(len(calls))]
         run = self.run or _nowhere
 
-        def work():
+        def work() -> list[tuple[str, Any, Observation]]:
             """The calls of the turn, run side by side in wall time; their observations in order."""
-            def one(i):
+            def one(i: int) -> Observation:
                 name, arguments, given = calls[i]
                 return given or run(ks[i], name, arguments)
 
