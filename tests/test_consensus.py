@@ -63,7 +63,7 @@ def test_redrawn_weights_change_each_pass_deterministically():
 
 
 def test_consensus_is_reached_by_random_attention_loops():
-    """Random fixed weights, attention only: E(k) decays towards 0 (seed 002, Fig. 8)."""
+    """Random fixed weights, attention only: E(k) decays towards 0 (the survey's Fig. 8, docs/theory.md §5.3)."""
     m = tiny()
     ids = C.random_prompts(m, 4, 16, seed=0)
     E = [s.E.mean().item() for s, _ in C.looped(m, C.embed(m, ids), passes=30, attention_only=True)]

@@ -198,3 +198,19 @@ def test_every_noqa_says_why_on_its_line():
 def test_the_noqa_check_finds_a_bare_one():
     assert not re.search(r"[a-z]{2}", NOQA.search("x = 1  # noqa: E731").group("why"))
     assert re.search(r"[a-z]{2}", NOQA.search("x = 1  # noqa: E731, B007 - a reason").group("why"))
+
+
+def test_the_code_cites_the_theory_page_and_its_sections_exist():
+    """Citations point into the repository (docs/theory.md), never to files outside it, and every
+    section cited there is one of the page's headings."""
+    theory = (ROOT.parents[1] / "docs" / "theory.md").read_text(encoding="utf-8")
+    sections = set(re.findall(r"^#+ (§\d+(?:\.\d+)?) ", theory, re.M))
+    outside, missing = [], []
+    for path in sorted(p for p in ROOT.rglob("*") if p.suffix in (".py", ".c", ".h")):
+        text = path.read_text(encoding="utf-8")
+        where = path.relative_to(ROOT.parent)
+        outside += [f"{where}: {m}" for m in re.findall(r"SPEC\.md|seed 00\d", text)]
+        for cited in re.findall(r"docs/theory\.md\s+((?:§\d+(?:\.\d+)?(?:–|, | and )?)+)", text):
+            missing += [f"{where}: {s}" for s in re.findall(r"§\d+(?:\.\d+)?", cited) if s not in sections]
+    assert outside == [] and missing == []
+    assert {"§2", "§3", "§4", "§5.3", "§7"} <= sections

@@ -1,4 +1,4 @@
-"""Control-vantage analyses of the survey (SPEC.md §5; seed 002)."""
+"""Control-vantage analyses of the survey (docs/theory.md §5)."""
 
 from hybridlm.analysis.consensus import LayerStep, looped, random_prompts, table1
 from hybridlm.analysis.geometry import (

@@ -1,4 +1,4 @@
-"""The token-clock recursion (SPEC.md §2–3, seed 000), as a client of the engine.
+"""The token-clock recursion (docs/theory.md §2–§3), as a client of the engine.
 
     w_{t+1} ~ p_θ(· | s_t),    s_{t+1} = Π_T(s_t ∘ w_{t+1})
 

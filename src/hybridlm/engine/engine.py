@@ -1,4 +1,4 @@
-"""The engine: one token clock for a population of hybrid automata (SPEC.md §7).
+"""The engine: one token clock for a population of hybrid automata (docs/theory.md §7).
 
 Each sequence is an `ArcState` with its own `HybridSystem`. One engine step
 

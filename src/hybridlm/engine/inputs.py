@@ -1,4 +1,4 @@
-"""The inputs of the token-clock recursion and how they compose (SPEC.md §2 made controlled;
+"""The inputs of the token-clock recursion and how they compose (docs/theory.md §2 made controlled;
 survey, "Safety and Alignment"):
 
     y_t = (z_t, x_t, text_t, h_t⁽ᴸ⁾),   (v_t, M_t) = κ(y_t),

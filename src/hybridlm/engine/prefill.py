@@ -4,7 +4,7 @@ Prefill in canonical segments. A prompt is prefilled segment by segment, with bo
 every multiple of `SEGMENT` positions and at the marks the caller gives (the ends of chat
 messages). So the state after a prefix is always computed the same way, whatever follows it,
 and a cache of states keyed by their segments is exact to the last bit: by causal prefix
-invariance (SPEC.md §3) the state of s is the state of its prefix p continued with the rest,
+invariance (docs/theory.md §3) the state of s is the state of its prefix p continued with the rest,
 and with the same segments it is the same arithmetic.
 
 `PrefixCache` holds such states in a trie of segments, bounded in bytes, the least recently

@@ -1,4 +1,4 @@
-"""Affine maps x ↦ x Wᵀ + b: every projection of the generative map (SPEC.md §2).
+"""Affine maps x ↦ x Wᵀ + b: every projection of the generative map (docs/theory.md §2).
 
 `Linear` is `torch.nn.Linear` with two changes:
 

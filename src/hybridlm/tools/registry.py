@@ -1,4 +1,4 @@
-"""Tools: what runs in the external mode q_E (SPEC.md §4, seed 000).
+"""Tools: what runs in the external mode q_E (docs/theory.md §4).
 
 A tool is a typed Python function with a JSON schema for its arguments. `@tool` derives
 the schema from the signature (str, int, float, bool parameters; those without a default
