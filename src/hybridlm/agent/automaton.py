@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hybridlm.constraints import TOOL_CHOICES
 from hybridlm.engine.arc import HybridArc
 from hybridlm.engine.engine import Engine
 from hybridlm.engine.inputs import ControlLoop
@@ -28,12 +29,9 @@ from hybridlm.engine.prefill import ContextPolicy, PrefixCache
 from hybridlm.engine.sampling import Kernel
 from hybridlm.engine.sequence import ArcState, Limits
 from hybridlm.engine.trace import StateRecorder, TraceWriter
-from hybridlm.constraints import TOOL_CHOICES
 from hybridlm.errors import InputError
 from hybridlm.tools import Observation, Tool, ToolRegistry
 from hybridlm.turns import CallCodec, Conversation, Offer, Protocol, codec_for, offerable
-
-
 
 __all__ = ["Arc", "HybridAgent", "Jump", "Limits", "replay"]
 
@@ -120,7 +118,7 @@ class HybridAgent:
         self.context = ContextPolicy.parse(context) if isinstance(context, str) else context
         # the fixed part of every prompt (system prompt, tools, example) is prefilled once
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(128 * 2**20)
-        offer = Offer(tools=tuple({**t.schema(), **({"server": t.server} if t.server else {})} for t in tools),
+        offer = Offer(tools=tuple(t.offered() for t in tools),
                       choice=self.tool_choice, parallel=parallel_tool_calls, constrain=constrain)
         self.system = Conversation(self.tokenizer, self.protocol, offer, vocab_size=model.config.vocab_size,
                                    run=self._call, outcome=self.arc_of, kind="agent")

@@ -119,7 +119,7 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
     # reply: response_format and callable tools exclude each other.
     wants_format = body.response_format is not None and body.response_format.type != "text"
     server = [] if body.tools is not None or service.tools is None or (wants_format and body.tool_choice is None) \
-        else [{**t.schema(), **({"server": t.server} if t.server else {})} for t in service.tools]
+        else [t.offered() for t in service.tools]
     offered = client or server
     asked_choice = body.tool_choice
     if asked_choice is None:

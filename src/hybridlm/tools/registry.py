@@ -63,6 +63,10 @@ class Tool:
     def schema(self) -> dict:
         return {"name": self.name, "description": self.description, "parameters": self.parameters}
 
+    def offered(self) -> dict:
+        """The tool as a conversation offers it: its schema, and the server that runs it where there is one."""
+        return {**self.schema(), **({"server": self.server} if self.server else {})}
+
 
 def tool(fn: Callable | None = None, *, name: str | None = None, timeout_s: float = 5.0,
          properties: dict[str, dict] | None = None, runs_in: str = "process", memory_mb: float = 1024.0):
