@@ -9,7 +9,7 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from hybridlm.cli import cli  # noqa: E402
+from hybridlm.cli import cli
 
 if __name__ == "__main__":
     sys.exit(cli(["bench", *sys.argv[1:]]))

@@ -12,7 +12,8 @@ import json
 import statistics
 import time
 
-from hybridlm.constraints import OPEN, CLOSE, tool_call_constraint
+from hybridlm.turns import tool_call_constraint
+from hybridlm.turns.codecs.tagged_json import CLOSE, OPEN
 from hybridlm.weights.loading import load_model
 
 TOOLS = [

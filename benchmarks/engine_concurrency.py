@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 
 from hybridlm import load_model
-from hybridlm.agent import HybridAgent, Limits, ToolRegistry, tool
+from hybridlm.agent import HybridAgent, Limits
+from hybridlm.tools import ToolRegistry, tool
 from hybridlm.agent.evaluation import correct, problems
-from hybridlm.agent.tools import evaluate_arithmetic
-from hybridlm.agent.trace import read_trace
+from hybridlm.tools import evaluate_arithmetic
+from hybridlm.engine.trace import read_trace
 
 
 def slow_calculator(seconds: float):

@@ -165,7 +165,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as logs:
         servers = start_servers(gguf, args.threads, args.max_batch, Path(logs))
         try:
-            for name, s in servers.items():  # warm: load, first prefill of the shared prompt
+            for s in servers.values():  # warm: load, first prefill of the shared prompt
                 one_request(s, system, QUESTIONS[0], 4, tokenizer)
             results = {name: [] for name in servers}
             for level in levels:

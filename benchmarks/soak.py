@@ -62,7 +62,7 @@ def process_figures(pid: int | None = None) -> dict:
 
 def check_trace(path: Path, arc) -> str | None:
     """None when the trace is complete and agrees with the arc, else what is wrong."""
-    from hybridlm.agent.trace import read_trace
+    from hybridlm.engine.trace import read_trace
     from hybridlm.errors import InputError
 
     try:
@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         return soak_server(args)
 
     from hybridlm import load_model
-    from hybridlm.agent import HybridAgent, Limits, registry
+    from hybridlm.agent import HybridAgent, Limits
+    from hybridlm.tools import registry
     from hybridlm.agent.evaluation import problems
     from hybridlm.memory import configure
 
@@ -176,7 +177,7 @@ def soak_server(args) -> int:
     import urllib.request
 
     from hybridlm.agent.evaluation import problems
-    from hybridlm.agent.trace import read_trace
+    from hybridlm.engine.trace import read_trace
     from hybridlm.errors import InputError
 
     cmd = [sys.executable, "-m", "hybridlm.cli", "serve", "--port", "0", "--tools", "calculator", "--log-level",
@@ -216,7 +217,8 @@ def soak_server(args) -> int:
             if not events or events[-1]["event"] != "end":
                 problem = f"arc {ext['arcs'][0]}: no end event"
             elif events[-1]["stop_reason"] != ext["termination"][0]:
-                problem = f"arc {ext['arcs'][0]}: ends with {events[-1]['stop_reason']}, the response says {ext['termination'][0]}"
+                problem = (f"arc {ext['arcs'][0]}: ends with {events[-1]['stop_reason']}, "
+                           f"the response says {ext['termination'][0]}")
         except InputError as exc:
             problem = str(exc)
         trace.unlink(missing_ok=True)

@@ -1,8 +1,8 @@
 """Per-token decode latency against context length: selective SSM vs transformer of the same width.
 
-The SSM's state c(k, ·) has a fixed size (seed 002, (S17)), so a decode step costs the
+The SSM's state c(k, ·) has a fixed size (the survey's (S17), docs/theory.md §5.4), so a decode step costs the
 same at any context length n; the transformer's KV state grows with n and each step
-attends over all of it (SPEC.md §3). Both models are random, GPT-2's alphabet, the same
+attends over all of it (docs/theory.md §3). Both models are random, GPT-2's alphabet, the same
 d and L (the transformer is GPT-2's shape with a horizon long enough for the largest
 context). For each context n the state is prefilled with n random tokens, then `--steps`
 tokens are appended one at a time with F; the latency is the median over repeats of the

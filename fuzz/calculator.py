@@ -5,7 +5,7 @@ import math
 import atheris
 
 with atheris.instrument_imports(include=["hybridlm"]):
-    from hybridlm.agent.tools import calculator, evaluate_arithmetic
+    from hybridlm.tools import calculator, evaluate_arithmetic
 
 from common import run
 

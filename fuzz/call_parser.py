@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 with atheris.instrument_imports(include=["hybridlm"]):
-    from hybridlm.constraints import CLOSE, OPEN, parse_calls, tool_call_constraint
+    from hybridlm.turns import tool_call_constraint
+    from hybridlm.turns.codecs.tagged_json import CLOSE, OPEN, parse_calls
     from hybridlm.tokenizer import gpt2_tokenizer
 
 from common import run

@@ -5,8 +5,8 @@ import json
 import atheris
 
 with atheris.instrument_imports(include=["hybridlm"]):
-    from hybridlm.agent.sandbox import outcome
-    from hybridlm.agent.tools import lookup_tool
+    from hybridlm.tools.sandbox import outcome
+    from hybridlm.tools import lookup_tool
     from hybridlm.errors import InputError
 
 from common import run, scratch

@@ -12,6 +12,8 @@ import atheris
 with atheris.instrument_imports(include=["hybridlm"]):
     from hybridlm.server import chat
     from hybridlm.server.wire import APIError, parse_chat, parse_completion
+    from hybridlm.turns import TAGGED_JSON, Protocol, render
+    from hybridlm.turns.codecs.json_text import scan_object
 
 from common import run
 
@@ -28,11 +30,12 @@ def test_one_input(data: bytes) -> None:
                 chat.pending_tool_results(body.messages)
             except APIError:
                 pass
-            rendered = chat.template_messages(body.messages, [])
+            rendered = chat.template_messages(body.messages, Protocol(None, codec=TAGGED_JSON))
             texts = [m["content"] for m in rendered]
-            chat.render(texts, final=False, stops=("\n",), client_tools=frozenset({"get_weather"}))
+            render(texts, final=False, stops=("\n",), client_tools=frozenset({"get_weather"}))
             for text in texts:
-                chat.scan_call(text)
+                scan_object(text)
+                TAGGED_JSON.scan(text, final=False)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ and the checks `trace replay` makes before it loads a model."""
 import atheris
 
 with atheris.instrument_imports(include=["hybridlm"]):
-    from hybridlm.agent.trace import format_timeline, read_trace
-    from hybridlm.cli import _check_replayable
+    from hybridlm.engine.trace import format_timeline, read_trace
+    from hybridlm.cli.trace import check_replayable
     from hybridlm.errors import HybridLMError
 
 from common import run, scratch
@@ -17,7 +17,7 @@ def test_one_input(data: bytes) -> None:
         events = read_trace(path)
         format_timeline(events)
         format_timeline(events, tokens=True)
-        _check_replayable(path)
+        check_replayable(path)
     except HybridLMError:
         pass
 

@@ -6,8 +6,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 
 def make_hub_gpt2(folder, *, n_layer, n_embd, n_head, vocab_size=50257, n_positions=1024, seed=0):

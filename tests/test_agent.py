@@ -10,10 +10,11 @@ import time
 
 import pytest
 
-from hybridlm.agent import HybridAgent, Limits, ToolRegistry, read_trace, registry, replay, tool
-from hybridlm.constraints import CLOSE, OPEN
-from hybridlm.agent.protocol import RESPONSE_CLOSE, RESPONSE_OPEN
-from hybridlm.agent.tools import calculator
+from hybridlm.agent import HybridAgent, Limits, replay
+from hybridlm.engine.trace import read_trace
+from hybridlm.tools import ToolRegistry, registry, tool
+from hybridlm.turns.codecs.tagged_json import CLOSE, OPEN, RESPONSE_CLOSE, RESPONSE_OPEN
+from hybridlm.tools import calculator
 from hybridlm.alphabet import truncate
 from hybridlm.errors import InputError
 from tests.agent_fakes import ScriptedModel
@@ -168,7 +169,8 @@ KILL_SCRIPT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
     from hybridlm import load_model
-    from hybridlm.agent import HybridAgent, registry, Limits
+    from hybridlm.agent import HybridAgent, Limits
+    from hybridlm.tools import registry
     from tests.agent_fakes import ScriptedModel
     tok = load_model().tokenizer
     model = ScriptedModel(tok, ["word " * 1000], delay_s=0.02)
@@ -238,7 +240,7 @@ def test_a_prompt_beyond_the_context_is_one_line(tok):
 
 
 def test_a_servers_tool_the_grammar_cannot_write_is_left_out_with_a_warning(tok):
-    from hybridlm.agent.tools import Tool
+    from hybridlm.tools import Tool
 
     bad = {"type": "object", "properties": {"s": {"type": "string", "pattern": "(?<=a)b"}}, "required": ["s"]}
     reg = registry(["calculator"])

@@ -5,8 +5,8 @@ import pytest
 
 pytest.importorskip("bfcl_eval", reason="BFCL's data and checker: pip install --no-deps bfcl-eval")
 
-from hybridlm.agent import bfcl  # noqa: E402
-from hybridlm.errors import InputError  # noqa: E402
+from hybridlm.agent import bfcl
+from hybridlm.errors import InputError
 
 
 def first(accepted: dict) -> dict:

@@ -68,7 +68,7 @@ def test_no_family_writes_into_a_state_after_its_hook_point():
     for family, m in _models_of_every_family():
         seen = []
 
-        def note(x, hook):
+        def note(x, hook, seen=seen):
             if not x.is_inference():  # (F's own step runs in inference mode, which keeps no versions)
                 seen.append((hook.name, x, x._version))
 

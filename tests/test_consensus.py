@@ -63,7 +63,7 @@ def test_redrawn_weights_change_each_pass_deterministically():
 
 
 def test_consensus_is_reached_by_random_attention_loops():
-    """Random fixed weights, attention only: E(k) decays towards 0 (seed 002, Fig. 8)."""
+    """Random fixed weights, attention only: E(k) decays towards 0 (the survey's Fig. 8, docs/theory.md §5.3)."""
     m = tiny()
     ids = C.random_prompts(m, 4, 16, seed=0)
     E = [s.E.mean().item() for s, _ in C.looped(m, C.embed(m, ids), passes=30, attention_only=True)]
@@ -81,7 +81,7 @@ def test_runner_writes_csv_json_png_and_resumes(tmp_path, monkeypatch):
     tiny_model = tiny()
     monkeypatch.setattr(R, "prepare_model", lambda cfg, device: tiny_model)
     cfg = R.ConsensusConfig(model="tiny", weights="random-redrawn", prompts=3, prompt_len=10, passes=4, seed=1)
-    full = R.run_consensus(cfg, tmp_path / "full", progress=False)
+    R.run_consensus(cfg, tmp_path / "full", progress=False)
     rows = list(csv.DictReader(open(tmp_path / "full" / "consensus.csv")))
     assert len(rows) == 1 + 4 * 3 and list(rows[0]) == R.COLUMNS
     summary = json.loads((tmp_path / "full" / "summary.json").read_text())

@@ -13,10 +13,9 @@ import torch
 from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
-from hybridlm.constraints import (
-    CLOSE, OPEN, library_tokenizer, json_schema_constraint, parse_calls, regex_constraint, tool_call_constraint,
-    grammar_constraint,
-)
+from hybridlm.constraints import library_tokenizer, json_schema_constraint, regex_constraint, grammar_constraint
+from hybridlm.turns import tool_call_constraint
+from hybridlm.turns.codecs.tagged_json import CLOSE, OPEN, parse_calls
 from hybridlm.engine.constraint import Constraint
 from hybridlm.errors import InputError
 from hybridlm.tokenizer import gpt2_tokenizer
@@ -226,7 +225,7 @@ def test_optional_arguments_can_be_emitted(smol):
 
 
 def test_the_lookup_key_is_one_of_the_knowledge_base_keys(smol, tmp_path):
-    from hybridlm.agent.tools import lookup_tool
+    from hybridlm.tools import lookup_tool
 
     kb = tmp_path / "kb.json"
     kb.write_text(json.dumps({"speed_of_light": "299792458 m/s", "boiling point": "100 C"}))
@@ -396,8 +395,8 @@ def test_free_parser_never_raises(text):
 
 # ---------------------------------------------------------------------- the prompt follows the tools
 def test_the_prompt_follows_the_tools_offered(smol):
-    from hybridlm.agent.protocol import Protocol
-    from hybridlm.agent.tools import ToolRegistry, Tool, registry
+    from hybridlm.turns import Protocol
+    from hybridlm.tools import ToolRegistry, Tool, registry
 
     weather = ToolRegistry()
     weather.register(Tool("get_weather", "Weather of a city.", {"type": "object", "properties": {
@@ -412,7 +411,7 @@ def test_the_prompt_follows_the_tools_offered(smol):
 def test_tool_schemas_that_refer_into_themselves_are_constrained(smol):
     """A tool whose arguments use $defs (as pydantic-made MCP schemas do) beside one that does not:
     calls of either validate against their own schema with jsonschema."""
-    from hybridlm.constraints import tool_call_constraint
+    from hybridlm.turns import tool_call_constraint
 
     point = {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
              "required": ["x", "y"]}
@@ -505,11 +504,11 @@ def test_a_string_argument_may_hold_the_closing_tag(smol):
     assert c.in_call
     feed(c, ids[-1:])
     assert not c.in_call and c.calls()[0].arguments == arguments
-    from hybridlm.constraints import call_is_open
+    from hybridlm.turns.codecs.tagged_json import call_is_open
 
     assert call_is_open(text[: text.index("literally")]) and not call_is_open(text)
     assert call_is_open(text[: text.index(" then")])  # the tag inside the unfinished string closes nothing
-    from hybridlm.server.chat import render
+    from hybridlm.turns import render
 
     view = render([text[: text.index(" then")]], final=False, client_tools=frozenset({"say"}))
     assert view.content == "" and not any(c.complete for c in view.calls)
@@ -582,8 +581,9 @@ def test_library_errors_are_one_line_with_their_cause(smol):
 
 
 def test_non_ascii_tool_names_are_shown_as_the_constraint_writes_them(smol):
-    from hybridlm.agent.protocol import Protocol, call_text
-    from hybridlm.agent.tools import Tool, ToolRegistry
+    from hybridlm.turns import Protocol
+    from hybridlm.turns.codecs.tagged_json import call_text
+    from hybridlm.tools import Tool, ToolRegistry
 
     reg = ToolRegistry()
     reg.register(Tool("天气", "Das Wetter einer Stadt (°C).", {"type": "object", "properties": {

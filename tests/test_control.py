@@ -146,7 +146,7 @@ def test_prefix_optimisation_raises_the_target(smollm2, toy_model):
 def test_banned_words_one_step_sets(smollm2):
     tok = smollm2.tokenizer
     bw = BannedWords(["Paris"], tok, word_start=True)
-    one = lambda s: tok.encode(s)[0]  # noqa: E731
+    one = lambda s: tok.encode(s)[0]  # noqa: E731 - a one-line helper of the test
     assert len(tok.encode(" Paris")) == 1 and len(tok.encode("paris")) == 2  # 'par' + 'is'
     after_par = bw.unsafe_row("We went to par")  # the head 'par' of the word is written: 'is…' completes it
     assert after_par[one("is")] and after_par[one("ish")]  # 'parish' holds 'paris' at a word start
@@ -268,8 +268,10 @@ def test_steering_vector_file_and_errors(toy_model, tmp_path):
 
 # ---------------------------------------------------------------------- agent
 def test_agent_filters_free_text_not_the_call(smollm2, tmp_path):
-    from hybridlm.agent import HybridAgent, read_trace, registry
-    from hybridlm.constraints import CLOSE, OPEN
+    from hybridlm.agent import HybridAgent
+    from hybridlm.engine.trace import read_trace
+    from hybridlm.tools import registry
+    from hybridlm.turns.codecs.tagged_json import CLOSE, OPEN
     from tests.agent_fakes import ScriptedModel
 
     tok = smollm2.tokenizer

@@ -8,12 +8,12 @@ written out for small systems.
 
 import time
 
-import pytest
 import torch
 
 from hybridlm import Kernel, generate, load_model
-from hybridlm.agent import HybridAgent, registry, tool
-from hybridlm.agent.tools import ToolRegistry
+from hybridlm.agent import HybridAgent
+from hybridlm.tools import registry, tool
+from hybridlm.tools import ToolRegistry
 from hybridlm.control import ContrastVector, Steering, ban_words
 from hybridlm.engine import (
     ArcState, ContextPolicy, Engine, HybridArc, HybridSystem, Limits, PrefixCache, Priority, Termination,
@@ -83,7 +83,7 @@ def test_a_mixed_batch_gives_every_sequence_its_tokens_alone(smollm2):
                                     * 0.5, layer=10))
 
     def population():
-        chat = lambda text: tok.encode(tok.render_chat([{"role": "user", "content": text}]))  # noqa: E731
+        chat = lambda text: tok.encode(tok.render_chat([{"role": "user", "content": text}]))  # noqa: E731 - a one-line helper of the test
         return [
             (0, sequence(smollm2, chat("Name a river."), kernel=Kernel(temperature=0.8, top_p=0.95),
                          max_new_tokens=20, seed=3)),

@@ -1,9 +1,9 @@
-"""SmolLM2-135M-Instruct from its GGUF file (SPEC.md §2–3, §6).
+"""SmolLM2-135M-Instruct from its GGUF file (docs/theory.md §2–§3, §6).
 
 The loader is checked against three references that read the same file: transformers
 (logits, greedy continuation, tokenizer, chat template), llama.cpp (teacher-forced argmax
 agreement, token ids) and closed-form block dequantisation (Q8_0, Q4_0, Q4_1). The
-state-space form of SPEC.md §3 is checked on the real weights: F/G against full
+state-space form of docs/theory.md §3 is checked on the real weights: F/G against full
 recomputes, also past the horizon T where Π_T forces a rebuild.
 """
 
@@ -236,7 +236,7 @@ def test_chat_template_renders_like_transformers(model, hf_tokenizer):
         assert model.tokenizer.render_chat(messages) == expected
 
 
-# ====================================================================== the state (SPEC.md §3)
+# ====================================================================== the state (docs/theory.md §3)
 def test_cached_state_equals_full_recompute(model):
     """64 steps of x_{t+1} = F(x_t, w_{t+1}); G(x_t) against the last row of a fresh forward pass."""
     prompt = model.tokenizer.encode("Once upon a time, in a small village by the sea,")

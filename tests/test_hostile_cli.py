@@ -11,8 +11,10 @@ import jsonschema
 import pytest
 from click.testing import CliRunner
 
-from hybridlm.agent import HybridAgent, read_trace, registry
-from hybridlm.agent.trace import format_timeline, iter_trace
+from hybridlm.agent import HybridAgent
+from hybridlm.engine.trace import read_trace
+from hybridlm.tools import registry
+from hybridlm.engine.trace import format_timeline, iter_trace
 from hybridlm.cli import cli
 from hybridlm.errors import InputError
 from tests.agent_fakes import ScriptedModel
@@ -169,7 +171,7 @@ def tok(smollm2):
 
 
 def test_published_schema_is_a_valid_json_schema():
-    from hybridlm.agent.trace import SCHEMA_PATH
+    from hybridlm.engine.trace import SCHEMA_PATH
 
     schema = json.loads(SCHEMA_PATH.read_text())
     jsonschema.Draft202012Validator.check_schema(schema)
@@ -178,7 +180,7 @@ def test_published_schema_is_a_valid_json_schema():
 
 def test_real_traces_validate_against_the_schema(tok, tmp_path):
     """Checked with jsonschema itself, event by event, and by hybridlm's reader."""
-    from hybridlm.agent.trace import SCHEMA_PATH
+    from hybridlm.engine.trace import SCHEMA_PATH
 
     path = good_trace(tok, tmp_path / "arc.jsonl")
     schema = json.loads(SCHEMA_PATH.read_text())

@@ -136,7 +136,8 @@ def test_mutated_array_count_is_one_weights_error_quickly(good_gguf, tmp_path):
 
 MUTATIONS = [
     "string array count", "string array count 2^40", "int array count", "array element type", "value type",
-    "string length", "key length", "kv count", "tensor count", "tensor n_dims", "tensor dim", "tensor dim zero", "tensor dims overflow",
+    "string length", "key length", "kv count", "tensor count", "tensor n_dims", "tensor dim", "tensor dim zero",
+    "tensor dims overflow",
     "tensor type", "tensor offset", "tensor offset misaligned", "version"]
 
 

@@ -221,7 +221,7 @@ def closed_form_attention(attn, rotary, state, z, n):
     q, k, v = heads[:, :H], heads[:, H:H + H_kv], heads[:, H + H_kv:]
     if rotary is not None:
         cos, sin = rotary.cos[n].to(F64), rotary.sin[n].to(F64)
-        swap = lambda t: torch.cat([t[..., d // 2:], t[..., : d // 2]], -1)  # noqa: E731
+        swap = lambda t: torch.cat([t[..., d // 2:], t[..., : d // 2]], -1)  # noqa: E731 - a one-line helper of the test
         q, k = q * cos + swap(q) * sin, k * cos + swap(k) * sin
     K = torch.cat([state.kv[0, 0, :, :, :n].to(F64), k[:, :, None]], 2)  # [B, H_kv, n + 1, d]
     V = torch.cat([state.kv[0, 1, :, :, :n].to(F64), v[:, :, None]], 2)

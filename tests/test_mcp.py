@@ -22,8 +22,11 @@ import jsonschema
 import pytest
 from click.testing import CliRunner
 
-from hybridlm.agent import HybridAgent, Limits, ToolRegistry, read_trace
-from hybridlm.agent.mcp import MCPServers, ServerSpec, mcp_tools, tool_registry
+from hybridlm.agent import HybridAgent, Limits
+from hybridlm.engine.trace import read_trace
+from hybridlm.tools import ToolRegistry
+from hybridlm.cli.options import tool_registry
+from hybridlm.tools.mcp import MCPServers, ServerSpec, mcp_tools
 from hybridlm.cli import cli
 from hybridlm.errors import InputError
 

@@ -1,4 +1,4 @@
-"""Learning as optimal control (seed 002, (0.18)–(0.37)): every number is checked against an
+"""Learning as optimal control (docs/theory.md §5.1–§5.2, the survey's (0.18)–(0.37)): every number is checked against an
 independent reference (torch.autograd, scipy's DOP853, torchdiffeq's autograd path)."""
 
 import json

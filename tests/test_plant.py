@@ -12,8 +12,7 @@ import jsonschema
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
-
-from hybridlm.agent import read_trace
+from hybridlm.engine.trace import read_trace
 from hybridlm.agent.supervisor import Supervisor
 from hybridlm.errors import InputError
 from hybridlm.plant import CBF, Actuator, Barrier, ManualClock, Plant, Sensor, room, tank, tank_level

@@ -14,7 +14,6 @@ import math
 import os
 import shutil
 import socket
-import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -25,7 +24,9 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridlm.agent import HybridAgent, Limits, read_trace, registry
+from hybridlm.agent import HybridAgent, Limits
+from hybridlm.engine.trace import read_trace
+from hybridlm.tools import registry
 from hybridlm.cli import cli
 from hybridlm.report import arc_view, load_states, pca_2d, render_arc_report, write_report
 

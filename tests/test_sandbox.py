@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from hybridlm.agent.tools import (Tool, ToolRegistry, evaluate_arithmetic, lookup_tool, registry,
+from hybridlm.tools import (Tool, ToolRegistry, evaluate_arithmetic, lookup_tool, registry,
                                   tool)
 from hybridlm.errors import InputError
 
@@ -232,10 +232,10 @@ def test_kb_nesting_is_bounded(tmp_path, text, fragment):
 
 
 def test_kb_size_is_capped(tmp_path):
-    from hybridlm.agent import tools
+    from hybridlm.tools import builtins
 
     kb = tmp_path / "kb.json"
-    kb.write_text(json.dumps({"k": "x" * (tools.MAX_KB_BYTES + 10)}))
+    kb.write_text(json.dumps({"k": "x" * (builtins.MAX_KB_BYTES + 10)}))
     with pytest.raises(InputError, match="bytes"):
         lookup_tool(kb)
     kb.write_bytes(b'{"k": "\xff"}')

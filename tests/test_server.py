@@ -27,8 +27,8 @@ from click.testing import CliRunner
 
 from agent_fakes import ScriptedModel
 from hybridlm.agent import HybridAgent, Limits
-from hybridlm.agent.tools import registry
-from hybridlm.agent.trace import read_trace
+from hybridlm.tools import registry
+from hybridlm.engine.trace import read_trace
 from hybridlm.cli import cli
 from hybridlm.engine import Kernel, generate
 from hybridlm.server import Service, running
@@ -335,7 +335,7 @@ def test_server_side_mcp_tool_is_a_jump_of_the_request(smollm2):
     brings no tools gets it, the server runs the call, and the arc names the tool's server."""
     from pathlib import Path
 
-    from hybridlm.agent.mcp import tool_registry
+    from hybridlm.cli.options import tool_registry
 
     server = f"{sys.executable} {Path(__file__).with_name('mcp_server.py')}"
     script = '<tool_call>{"name": "add", "arguments": {"a": 20, "b": 22}}</tool_call>'
@@ -727,7 +727,7 @@ def test_a_value_closed_by_max_tokens_says_length(client):
 
 
 def test_a_final_lone_angle_bracket_is_the_models():
-    from hybridlm.server.chat import render
+    from hybridlm.turns import render
 
     tools = frozenset({"f"})
     assert render(["a <<<"], final=True, client_tools=tools, cut=False).content == "a <<<"  # the model ended it

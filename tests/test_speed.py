@@ -108,7 +108,9 @@ def test_explicit_attention_equals_fused(n, start, window, kv, one_block):
 def test_a_replaced_pattern_drives_the_output():
     m = tiny()
     ids = torch.randint(0, 300, (1, 140), generator=torch.Generator().manual_seed(0))
-    uniform = lambda a, h: torch.tril(torch.ones_like(a)) / torch.tril(torch.ones_like(a)).sum(-1, keepdim=True)
+    def uniform(a, h):
+        return torch.tril(torch.ones_like(a)) / torch.tril(torch.ones_like(a)).sum(-1, keepdim=True)
+
     with m.hooks({"blocks.0.attn.hook_pattern": uniform}):
         out = m(ids)
     assert not torch.allclose(out, m(ids))

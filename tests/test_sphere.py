@@ -1,4 +1,4 @@
-"""The sphere model of attention (seed 002, (0.42)–(0.45)) and the geometry checks of a model."""
+"""The sphere model of attention (docs/theory.md §5.3, the survey's (0.42)–(0.45)) and the geometry checks of a model."""
 
 import math
 

@@ -1,4 +1,5 @@
-"""Recurrent and selective state-space stacks (seed 002, (S16)–(S17)): scan, state, decode, consensus, training."""
+"""Recurrent and selective state-space stacks (docs/theory.md §5.4, the survey's (S16)–(S17)): scan, state,
+decode, consensus, training."""
 
 import csv
 import math

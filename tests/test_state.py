@@ -125,7 +125,9 @@ def test_state_grows_without_reallocating_every_step(toy_model):
 
 def test_seed_reproduces_and_differs(toy_model):
     prompt = toy_model.tokenizer.encode("The state of the system")
-    run = lambda seed: [s.token for s in token_clock(toy_model, prompt, max_new_tokens=24, seed=seed, stop_ids=set())]
+    def run(seed):
+        return [s.token for s in token_clock(toy_model, prompt, max_new_tokens=24, seed=seed, stop_ids=set())]
+
     assert run(123) == run(123)
     assert run(123) != run(124)
 

@@ -7,7 +7,7 @@ from click.testing import CliRunner
 from hypothesis import given, strategies as st
 
 from hybridlm.agent.evaluation import correct, last_number, problems
-from hybridlm.agent.tools import evaluate_arithmetic, lookup_tool, registry, tool
+from hybridlm.tools import evaluate_arithmetic, lookup_tool, registry, tool
 from hybridlm.errors import InputError
 
 
@@ -106,12 +106,12 @@ def test_a_remote_ref_in_a_tool_schema_is_never_fetched():
     import http.server
     import threading
 
-    from hybridlm.agent.tools import Tool, ToolRegistry
+    from hybridlm.tools import Tool, ToolRegistry
 
     hits = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             hits.append(self.path)
             body = b'{"type": "integer"}'
             self.send_response(200)

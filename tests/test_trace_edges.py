@@ -2,7 +2,7 @@
 mid-write, or bad at one line; replayed when the run that wrote them was killed.
 
 References are independent of hybridlm's reader: json.loads of each complete line, the published
-JSON Schema (docs/trace.schema.json) checked with jsonschema, and the recorded token ids."""
+JSON Schema (the package's trace.schema.json, read as a file) checked with jsonschema, and the recorded token ids."""
 
 import json
 import os
@@ -18,15 +18,17 @@ import jsonschema
 import pytest
 from click.testing import CliRunner
 
-from hybridlm.agent import HybridAgent, Limits, registry, replay
-from hybridlm.agent.trace import CutTraceWarning, read_trace
+from hybridlm.agent import HybridAgent, Limits, replay
+from hybridlm.tools import registry
+from hybridlm.engine.trace import CutTraceWarning, read_trace
 from hybridlm.cli import cli
-from hybridlm.constraints import CLOSE, OPEN
+from hybridlm.turns.codecs.tagged_json import CLOSE, OPEN
 from hybridlm.engine.trace import TraceWriter
 from hybridlm.errors import InputError
 from tests.agent_fakes import ScriptedModel
 
-SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "trace.schema.json").read_text(encoding="utf-8"))
+SCHEMA = json.loads((Path(__file__).parents[1] / "src" / "hybridlm" / "engine" / "trace.schema.json")
+                    .read_text(encoding="utf-8"))
 SCRIPT = [OPEN + json.dumps({"name": "calculator", "arguments": {"expression": "6 * 7"}}) + CLOSE,
           "The answer is 42."]
 BASE = {"t": 0, "k": 0, "wall_s": 0.0}

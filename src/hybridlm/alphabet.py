@@ -1,4 +1,4 @@
-"""The alphabet 𝒱, the free monoid 𝒱* and the truncation operator Π_T (SPEC.md §2, seed 000).
+"""The alphabet 𝒱, the free monoid 𝒱* and the truncation operator Π_T (docs/theory.md §2).
 
 Strings are sequences of token ids in [0, V). Concatenation ∘ is associative with the
 empty string as identity; Π_T keeps the trailing suffix of length at most T and is

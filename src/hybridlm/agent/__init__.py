@@ -1,10 +1,5 @@
-"""The agentic hybrid automaton: generation and external modes, tools, jumps, traces."""
+"""The agent: tasks through the tool-calling conversation with its tools run here; evaluations; a plant's supervisor."""
 
 from hybridlm.agent.automaton import Arc, HybridAgent, Jump, Limits, replay
-from hybridlm.agent.tools import Observation, Tool, ToolRegistry, calculator, registry, tool
-from hybridlm.agent.trace import format_timeline, read_trace
 
-__all__ = [
-    "Arc", "HybridAgent", "Jump", "Limits", "Observation", "Tool", "ToolRegistry", "calculator",
-    "format_timeline", "read_trace", "registry", "replay", "tool",
-]
+__all__ = ["Arc", "HybridAgent", "Jump", "Limits", "replay"]

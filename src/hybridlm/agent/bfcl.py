@@ -28,6 +28,7 @@ import re
 import sys
 import time
 import types
+from typing import Any, cast
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,7 +176,7 @@ class HybridRunner:
 
     def __call__(self, task: Task) -> list[dict]:
         from hybridlm.agent.automaton import HybridAgent, Limits
-        from hybridlm.agent.tools import Tool, ToolRegistry
+        from hybridlm.tools import Tool, ToolRegistry
 
         tools = ToolRegistry()
         for f in task.functions:
@@ -215,8 +216,8 @@ class LlamaCppRunner:
 
             path = smollm2_path()
         self.max_tokens = max_tokens
-        self.llm = Llama(model_path=str(path), chat_format="chatml-function-calling", n_ctx=4096, seed=0,
-                         n_threads=n_threads, verbose=False)
+        self.llm = llm = cast(Any, Llama(model_path=str(path), chat_format="chatml-function-calling", n_ctx=4096,
+                                         seed=0, n_threads=n_threads, verbose=False))
         # The handler's message branch asks for no token bound (max_tokens=None): give it ours.
         complete = self.llm.create_completion
 
@@ -225,12 +226,13 @@ class LlamaCppRunner:
                 kwargs["max_tokens"] = max_tokens
             return complete(*args, **kwargs)
 
-        self.llm.create_completion = bounded
+        llm.create_completion = bounded
 
     def __call__(self, task: Task) -> list[dict]:
-        tools = [{"type": "function", "function": {"name": f["name"], "description": f.get("description", ""),
-                                                   "parameters": json_schema(f["parameters"])}}
-                 for f in task.functions]
+        tools: list[dict[str, Any]] = [
+            {"type": "function", "function": {"name": f["name"], "description": f.get("description", ""),
+                                              "parameters": json_schema(f["parameters"])}}
+            for f in task.functions]
         choice = ({"type": "function", "function": {"name": tools[0]["function"]["name"]}} if len(tools) == 1
                   and task.category != "parallel" else "auto")
         reply = self.llm.create_chat_completion(messages=task.messages, tools=tools, tool_choice=choice,

@@ -79,7 +79,7 @@ def solve(model, mode: str, tasks: list[tuple[int, Problem]], *, seed: int = 0, 
     is the same for all, so a row depends on its problem alone, not on the problems solved
     before it in the same process: any split of the problems gives the same rows."""
     from hybridlm.agent.automaton import HybridAgent, Limits
-    from hybridlm.agent.tools import ToolRegistry, registry
+    from hybridlm.tools import ToolRegistry, registry
 
     if mode not in MODES:
         raise InputError(f"mode {mode!r}: expected one of {', '.join(MODES)}")

@@ -28,12 +28,13 @@ import math
 import statistics
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridlm.agent.automaton import HybridAgent, Limits
-from hybridlm.agent.tools import Tool, ToolRegistry
-from hybridlm.agent.trace import NullTrace, TraceWriter, read_trace
+from hybridlm.tools import Tool, ToolRegistry
+from hybridlm.engine.trace import NullTrace, TraceWriter, read_trace
 from hybridlm.engine.sampling import Kernel
 from hybridlm.errors import InputError
 from hybridlm.plant.system import Plant
@@ -106,7 +107,7 @@ class SupervisedArc:
                 f"{sum(1 for c in self.corrections if c['corrected'])} of {len(self.corrections)} commands corrected")
 
 
-def spread(values: list[float]) -> dict:
+def spread(values: Sequence[float]) -> dict:
     if not values:
         return {"median": 0.0, "p95": 0.0, "max": 0.0}
     ordered = sorted(values)
@@ -161,7 +162,7 @@ class Supervisor:
     def run(self, task: str, *, trace: str | Path | None = None, figure: str | Path | None = None) -> SupervisedArc:
         if not isinstance(task, str) or not task.strip():
             raise InputError("empty task: say what the plant should do")
-        plant, clock = self.plant, self.plant.clock
+        plant = self.plant
         self._wall0 = time.perf_counter()
         self._t = self._k = 0
         self._trace = TraceWriter(trace) if trace else NullTrace()

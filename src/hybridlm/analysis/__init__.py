@@ -1,4 +1,4 @@
-"""Control-vantage analyses of the survey (SPEC.md §5; seed 002)."""
+"""Control-vantage analyses of the survey (docs/theory.md §5)."""
 
 from hybridlm.analysis.consensus import LayerStep, looped, random_prompts, table1
 from hybridlm.analysis.geometry import (
@@ -10,7 +10,8 @@ from hybridlm.analysis.sphere import (
 )
 
 __all__ = [
-    "Deviation", "LayerGeometry", "LayerStep", "looped", "random_prompts", "table1", "SphereTrajectory", "consensus_E", "geometry_report",
+    "Deviation", "LayerGeometry", "LayerStep", "looped", "random_prompts", "table1", "SphereTrajectory", "consensus_E",
+    "geometry_report",
     "normalize_tokens", "on_layernorm_sphere", "plot_sphere_trajectory", "row_stochastic",
     "simulate_sphere", "sphere_field", "token_norms",
 ]

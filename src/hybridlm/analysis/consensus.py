@@ -1,4 +1,4 @@
-"""Depth dynamics of a looped transformer and its consensus (SPEC.md §5; seed 002, (0.39)–(0.45)).
+"""Depth dynamics of a looped transformer and its consensus (docs/theory.md §5.3, the survey's (0.39)–(0.45)).
 
 The blocks update every token, z_i(k+1) = z_i(k) + A_i(Z(k)) + r_k(…) (0.39)–(0.40); without
 the MLP sublayer only the attention update remains (0.41). Looping the model, feeding the
@@ -113,13 +113,13 @@ def decode_positions(model: DecoderLM, h: torch.Tensor) -> torch.Tensor:
 
 def table1(model: DecoderLM, sentence: str, passes: tuple[int, ...] = (1, 2, 4, 10),
            *, attention_only: bool = False) -> list[dict]:
-    """Decode the looped tokens of a sentence after each number of passes (seed 002, Table 1)."""
+    """Decode the looped tokens of a sentence after each number of passes (the survey's Table 1)."""
     if model.tokenizer is None:
         raise InputError(f"Table 1 needs a model with a tokenizer; {model.source} has none")
     ids = torch.tensor([model.tokenizer.encode(sentence)])
-    rows, h = [], embed(model, ids)
+    rows, h0 = [], embed(model, ids)
     last = max(passes)
-    for step, h in looped(model, h, passes=last, attention_only=attention_only):
+    for step, h in looped(model, h0, passes=last, attention_only=attention_only):
         if step.layer == model.config.n_layer - 1 and step.pass_ in passes:
             tokens = decode_positions(model, h)[0].tolist()
             top = max(set(tokens), key=tokens.count)

@@ -1,4 +1,4 @@
-"""Geometric checks on the states of a model (SPEC.md §2, §5; seed 002 around (0.44)).
+"""Geometric checks on the states of a model (docs/theory.md §2 and §5.3, around the survey's (0.44)).
 
 - Before its affine part LayerNorm maps onto the (d−2)-sphere {x : Σx_j = 0, ‖x‖ = √d}
   (exactly as ε → 0; with ε > 0 the norm is √d σ/√(σ² + ε)). RMSNorm keeps ‖x‖ = √d only.

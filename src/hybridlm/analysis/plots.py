@@ -1,4 +1,4 @@
-"""Figures for the sphere model (seed 002, (0.43)–(0.45)), drawn with matplotlib's Agg canvas.
+"""Figures for the sphere model (the survey's (0.43)–(0.45)), drawn with matplotlib's Agg canvas.
 
 Figures are built with `matplotlib.figure.Figure` and saved through the Agg canvas, so no
 pyplot state or display backend is touched.

@@ -115,7 +115,7 @@ def run_consensus(cfg: ConsensusConfig, out: str | Path, *, device: str = "cpu",
         write_rows(out, [], fresh=True)
     bar = _bar(total=cfg.passes * L, done=(start_pass - 1) * L, enabled=progress)
     rows: list[dict] = []
-    for step, h in layer_steps(model, cfg, h, start_pass):
+    for step, h in layer_steps(model, cfg, h, start_pass):  # noqa: B020 - h: the state carried to the checkpoint
         rows.append(consensus_row(step.k, step.pass_, step.layer, step.E))
         if step.k:
             bar.update(1)
@@ -162,7 +162,7 @@ def consensus_shard(cfg: ConsensusConfig, model, start: int, stop: int, *, h: to
     else:
         h = h.to(model.W_e.device, model.W_e.dtype)
     steps, E = [], []
-    for step, h in layer_steps(model, cfg, h, start_pass):
+    for step, h in layer_steps(model, cfg, h, start_pass):  # noqa: B007, B020 - h: the last state, returned
         steps.append((step.k, step.pass_, step.layer))
         E.append(step.E.detach().float().cpu())
     E = torch.stack(E) if E else torch.empty(0, stop - start)

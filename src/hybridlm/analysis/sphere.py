@@ -1,4 +1,4 @@
-"""The continuous model of self-attention: tokens on the unit sphere (seed 002, (0.42)–(0.45)).
+"""The continuous model of self-attention: tokens on the unit sphere (the survey's (0.42)–(0.45)).
 
 n tokens z_i ∈ S^{d−1} move by
 
@@ -9,7 +9,7 @@ with j, k ≤ i in the causal variant and 1..n in the full one. P_z is the tange
 normalisation n(z) = z/‖z‖ on the sphere, so the flow stays on (S^{d−1})^n. W_U^h = W_o^h W_V^h
 and e is the query/key dimension. Orientation of W_P: the survey writes the column-wise
 softmax of Zᵀ W_P Z with W_P = W_Kᵀ W_Q, whose (j, i) entry is z_jᵀ W_P z_i; here, as in
-SPEC.md §5, the score of query i on key j is z_iᵀ W_P z_j, i.e. W_P = W_Qᵀ W_K (pass the
+docs/theory.md §5.3, the score of query i on key j is z_iᵀ W_P z_j, i.e. W_P = W_Qᵀ W_K (pass the
 transpose of the survey's matrix).
 
 Known cases (causal; [98] in the survey): W_U = I, any heads → every token converges to the

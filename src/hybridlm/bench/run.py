@@ -453,7 +453,7 @@ def _hook_costs(model, prompt, prefill_ids, cfg: BenchConfig, log) -> dict:
                  "prefill_rounds": cfg.hook_prefill_rounds}
     for name, run, rounds, unit in (("decode", decode_block, cfg.hook_rounds, "s/token"),
                                     ("prefill", prefill, cfg.hook_prefill_rounds, "s")):
-        times = interleaved({m: (lambda m=m: run(m)) for m in HOOK_MODES}, rounds, shuffle_seed=0)
+        times = interleaved({m: (lambda m=m, run=run: run(m)) for m in HOOK_MODES}, rounds, shuffle_seed=0)
         out[name] = {"unit": unit, "figures": {HOOK_MODES[m]: f.as_dict() for m, f in times.items()}}
         ratios = {label: Figure([x / y for x, y in zip(times[a].values, times[b].values)]).as_dict()
                   for label, (a, b) in pairs.items()}

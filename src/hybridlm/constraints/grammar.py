@@ -20,6 +20,7 @@ token in the last `TAIL` tokens of the budget.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import llguidance
 import numpy as np
@@ -57,12 +58,11 @@ class GrammarConstraint:
     def fresh(self, budget: int | None | str = "same") -> "GrammarConstraint":
         """The same constraint at its start, sharing the compiled grammar (another turn with the
         same tools or schema costs no compilation), with the same token budget or `budget`."""
-        if budget == "same":
-            budget = self.budget
-        elif budget is not None and budget < 1:
-            raise InputError(f"constraint budget {budget}: expected ≥ 1 token")
+        kept = self.budget if budget == "same" else budget
+        if isinstance(kept, str) or (kept is not None and kept < 1):
+            raise InputError(f"constraint budget {kept}: expected ≥ 1 token")
         new = copy.copy(self)
-        new.budget = budget
+        new.budget = kept
         new.matcher = self.matcher.deep_copy()
         new.matcher.reset()
         new.tokens, new._forced, new._next_check, new._plan, new.forced = [], None, 0, [], False
@@ -144,7 +144,7 @@ class GrammarConstraint:
 
 
 def closing_witness(m: llguidance.LLMatcher, lib: llguidance.LLTokenizer, *, limit: int,
-                    before: list[int] = ()) -> list[int] | None:
+                    before: Sequence[int] = ()) -> list[int] | None:
     """A short token sequence that completes the grammar from m's state (m is not changed).
 
     None when none of at most `limit` tokens was found. The end-of-sequence token counts as
@@ -244,7 +244,7 @@ def _separator_ids(lib: llguidance.LLTokenizer) -> list[int]:
 
 
 # ---------------------------------------------------------------------- constructors
-def json_schema_constraint(tokenizer, schema: dict | str, *, budget: int | None = None, lenient: bool = False,
+def json_schema_constraint(tokenizer, schema: dict | bool | str, *, budget: int | None = None, lenient: bool = False,
                            vocab_size: int | None = None) -> GrammarConstraint:
     """Text that is one JSON value valid under the schema (compact: ", " and ": " separators)."""
     grammar = library.json_grammar(schema, lenient=lenient)

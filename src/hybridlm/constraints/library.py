@@ -18,6 +18,7 @@ import json
 import math
 import re
 import weakref
+from typing import Any
 
 import llguidance
 import numpy as np
@@ -57,7 +58,7 @@ def library_tokenizer(tokenizer) -> llguidance.LLTokenizer:
     return lib
 
 
-def json_grammar(schema: dict | str, *, lenient: bool = False) -> str:
+def json_grammar(schema: dict | bool | str, *, lenient: bool = False) -> str:
     """llguidance's grammar for a JSON Schema, in compact JSON; InputError names a bad schema."""
     if isinstance(schema, str):
         try:
@@ -70,10 +71,10 @@ def json_grammar(schema: dict | str, *, lenient: bool = False) -> str:
         schema = {}
     if not isinstance(schema, dict):
         raise InputError(f"JSON schema: expected an object, got {type(schema).__name__}")
-    schema = _representable(schema)
-    options = {**JSON_FORMAT, "lenient": lenient}
+    compact: dict = _representable(schema)
+    options: Any = {**JSON_FORMAT, "lenient": lenient}  # (llguidance's JsonCompileOptions, a TypedDict)
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        return llguidance.LLMatcher.grammar_from_json_schema(compact, overrides=options)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise InputError(f"JSON schema: {_one_line(exc)}") from None
 

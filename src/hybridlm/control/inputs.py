@@ -1,4 +1,4 @@
-"""Input channels of the token-clock recursion (SPEC.md §2 made controlled; survey, "Safety and Alignment").
+"""Input channels of the token-clock recursion (docs/theory.md §2 made controlled; survey, "Safety and Alignment").
 
 The uncontrolled recursion w_{t+1} ~ p_θ(· | s_t) gets three kinds of input:
 

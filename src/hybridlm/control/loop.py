@@ -49,16 +49,7 @@ def rollout(model, prompt_ids, *, batch: int, kernel, controllers=(), max_new_to
         if controllers:
             s.controls = ControlLoop(model, controllers, kernel=kernel, stop_ids=stops)
         rows.append(s)
-    engine = Engine(model, max_batch=batch)
-    for s in rows:
-        engine.add(s)
-    try:
-        engine.run()
-    finally:
-        engine.close()
-    for s in rows:
-        if s.error is not None:
-            raise s.error
+    Engine(model, max_batch=batch).solve(rows)
     tokens = torch.tensor([s.arc.tokens for s in rows], dtype=torch.long).reshape(batch, -1)
     return Rollout(ids, tokens, [_merged(rows, t) for t in range(1, tokens.shape[1] + 1)])
 

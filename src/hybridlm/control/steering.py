@@ -56,7 +56,7 @@ class ContrastVector:
                 vector = fh.get_tensor("vector")
             layer = int(meta["layer"])
             positive, negative = json.loads(meta.get("positive", "[]")), json.loads(meta.get("negative", "[]"))
-        except Exception as exc:  # safetensors raises several kinds for a damaged file
+        except Exception as exc:  # noqa: BLE001 - safetensors raises several kinds for a damaged file
             raise InputError(f"steering file {str(p)!r} is corrupt or not a steering vector "
                              f"(expected safetensors with a 'vector' tensor and a 'layer'): {exc}") from None
         if vector.dim() != 1 or not bool(torch.isfinite(vector).all()):

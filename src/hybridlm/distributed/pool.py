@@ -80,5 +80,6 @@ class RayPool:
     def describe(self) -> dict:
         resources = self.ray.cluster_resources()
         nodes = [n for n in self.ray.nodes() if n.get("Alive")]
-        return {"kind": self.kind, "device": self.device, "nodes": len(nodes), "CPU": resources.get("CPU", 0), "GPU": resources.get("GPU", 0),
+        return {"kind": self.kind, "device": self.device, "nodes": len(nodes), "CPU": resources.get("CPU", 0),
+                "GPU": resources.get("GPU", 0),
                 "task": {k: self.options[k] for k in ("num_cpus", "num_gpus", "max_retries")}}

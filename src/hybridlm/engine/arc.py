@@ -1,5 +1,5 @@
 """The hybrid arc as data: what one sequence did, over the hybrid time domain {(t, k)} with wall
-time attached (SPEC.md §4, §7).
+time attached (docs/theory.md §4, §7).
 
 In the HyEQ Toolbox's words a solution is a hybrid arc φ(t, j) on a hybrid time domain,
 together with the cause that ended it. Here the flow "time" is the token clock t (one step per

@@ -1,4 +1,4 @@
-"""The token-clock recursion (SPEC.md §2–3, seed 000), as a client of the engine.
+"""The token-clock recursion (docs/theory.md §2–§3), as a client of the engine.
 
     w_{t+1} ~ p_θ(· | s_t),    s_{t+1} = Π_T(s_t ∘ w_{t+1})
 
@@ -133,7 +133,7 @@ def generate(model, prompt_ids, *, state=None, context: ContextPolicy | str = Co
     """Run the recursion to its end and collect the steps (the arguments of `token_clock`)."""
     s = sequence(model, prompt_ids, **kwargs)
     steps = list(stream(model, s, state=state, context=context))
-    return Generation(prompt_ids=list(s.prompt), steps=steps, stop_reason=s.arc.termination.value, arc=s.arc)
+    return Generation(prompt_ids=list(s.prompt), steps=steps, stop_reason=_cause(s), arc=s.arc)
 
 
 def generate_batch(model, prompts: Sequence[Sequence[int]], *, kernel: Kernel = Kernel(), max_new_tokens: int = 64,
@@ -154,20 +154,16 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], *, kernel: Kernel = 
             raise InputError(f"prompt {b} is empty: every sequence needs at least one token")
     seqs = [sequence(model, p, kernel=kernel, max_new_tokens=max_new_tokens, seed=seed, stop_ids=stop_ids)
             for p, seed in zip(prompts, seeds)]
-    engine = Engine(model, max_batch=max_batch, context=context)
-    for s in seqs:
-        engine.add(s)
-    try:
-        engine.run()
-    finally:
-        engine.close()
-    out = []
-    for s in seqs:
-        if s.error is not None:
-            raise s.error
-        out.append(Generation(prompt_ids=list(s.prompt), steps=list(steps_of(s.arc.events)),
-                              stop_reason=s.arc.termination.value, arc=s.arc))
-    return out
+    Engine(model, max_batch=max_batch, context=context).solve(seqs)
+    return [Generation(prompt_ids=list(s.prompt), steps=list(steps_of(s.arc.events)),
+                       stop_reason=_cause(s), arc=s.arc) for s in seqs]
+
+
+def _cause(s: ArcState) -> str:
+    """The termination cause of an arc that has ended."""
+    if s.arc.termination is None:
+        raise RuntimeError(f"the arc of {s.name} has not ended")
+    return s.arc.termination.value
 
 
 def default_stops(model) -> set[int]:

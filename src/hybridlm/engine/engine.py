@@ -1,4 +1,4 @@
-"""The engine: one token clock for a population of hybrid automata (SPEC.md §7).
+"""The engine: one token clock for a population of hybrid automata (docs/theory.md §7).
 
 Each sequence is an `ArcState` with its own `HybridSystem`. One engine step
 
@@ -109,6 +109,25 @@ class Engine:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
+    def solve(self, sequences: list[ArcState]) -> None:
+        """The sequences join, and the engine steps until every arc has ended; then it closes, with
+        every observer of theirs that can be closed (a trace writer), whatever happened. The first
+        sequence that ended in an error raises it."""
+        for s in sequences:
+            self.add(s)
+        try:
+            self.run()
+        finally:
+            self.close()
+            for s in sequences:
+                for obs in s.observers:
+                    close = getattr(obs, "close", None)
+                    if close is not None:
+                        close()
+        for s in sequences:
+            if s.error is not None:
+                raise s.error
+
     # ------------------------------------------------------------------ one step
     def step(self) -> bool:
         """One engine step; False when nothing was left to do."""
@@ -218,7 +237,7 @@ class Engine:
             try:
                 in_D = system.jump_set(s)
                 in_C = system.flow_set(s) and s.t < s.limits.max_token_steps
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - a fault of one sequence ends its arc, not the step
                 self._fail(s, exc)
                 continue
             if in_D and system.jumps_elsewhere(s):  # g runs elsewhere (a client's tool): the arc ends in D
@@ -232,7 +251,7 @@ class Engine:
                 self.active.remove(s)
                 if in_D:
                     cause = Termination.JUMP_HORIZON
-                elif s.finished is not False:
+                elif isinstance(s.finished, Termination):
                     cause = s.finished
                 else:
                     cause = Termination.TOKEN_BUDGET
@@ -244,7 +263,7 @@ class Engine:
         self.active.remove(s)
         try:
             work = s.system.jump(s)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a fault of one sequence ends its arc, not the step
             self._fail(s, exc)
             return
         s.q = Mode.EXTERNAL
@@ -272,7 +291,7 @@ class Engine:
                         s.emit("context", policy=self.context.describe(), n=s.x.n if hasattr(s.x, "n") else None)
                 if s.controls is not None:
                     s.controls.observe(tokens)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - a fault of one sequence ends its arc, not the step
                 self._fail(s, exc)
                 continue
             finally:
@@ -294,7 +313,7 @@ class Engine:
         for s in list(batch):
             try:
                 w, logprob, recs, seen = self._draw(s)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - a fault of one sequence ends its arc, not the step
                 batch.remove(s)
                 self._fail(s, exc)
                 continue
@@ -333,7 +352,7 @@ class Engine:
             try:
                 s.system.flowed(s, w)
                 phase = s.system.phase_of(s)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - a fault of one sequence ends its arc, not the step
                 self._fail(s, exc)
                 continue
             if phase != s.phase:
@@ -407,7 +426,7 @@ def _model_logprobs(z: torch.Tensor | None, w: int, k: int | None) -> dict:
     if z is None:
         return {}
     lp = torch.log_softmax(z[0].float(), dim=-1)
-    out = {"model_logprob": round(float(lp[w]), 6)}
+    out: dict = {"model_logprob": round(float(lp[w]), 6)}
     if k:
         values, ids = torch.topk(lp, min(k, lp.shape[-1]))
         out["top_logprobs"] = [[int(i), round(float(v), 6)] for i, v in zip(ids, values)]

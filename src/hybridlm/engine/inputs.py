@@ -1,4 +1,4 @@
-"""The inputs of the token-clock recursion and how they compose (SPEC.md §2 made controlled;
+"""The inputs of the token-clock recursion and how they compose (docs/theory.md §2 made controlled;
 survey, "Safety and Alignment"):
 
     y_t = (z_t, x_t, text_t, h_t⁽ᴸ⁾),   (v_t, M_t) = κ(y_t),
@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from hybridlm.engine.sampling import Kernel
 from hybridlm.errors import InputError
 from hybridlm.lm.capture import Recorder
 
@@ -63,7 +64,7 @@ class Observation:
     state: object  # the KVState x_t
     texts: list[str]  # the text of each row: the prompt's tail and the generated text
     stop_ids: set[int]
-    kernel: object  # the Kernel p is shaped by
+    kernel: Kernel  # the Kernel p is shaped by
     hidden: torch.Tensor | None = None  # h⁽ᴸ⁾ of the last position [B, d], when a controller asks
 
 
@@ -174,7 +175,7 @@ class ControlLoop:
         self.stop_ids = set(stop_ids)
         self.prefix = the_prefix(self.controllers)
         self.table = None if getattr(model, "tokenizer", None) is None else model.tokenizer.table
-        self._hidden = None  # a Recorder of h⁽ᴸ⁾, when a controller reads it
+        self._hidden: Recorder | None = None  # a Recorder of h⁽ᴸ⁾, when a controller reads it
         self.text = ""
 
     def describe(self) -> list[dict]:
@@ -185,8 +186,8 @@ class ControlLoop:
         pairs = [pair for c in self.controllers for pair in c.hooks(model)]
         if any(c.needs_hidden for c in self.controllers):
             L = model.config.n_layer
-            self._hidden = Recorder(model, [f"blocks.{L - 1}.hook_resid_post"], last=True, keep="latest")
-            pairs += self._hidden.hooks()
+            self._hidden = hidden = Recorder(model, [f"blocks.{L - 1}.hook_resid_post"], last=True, keep="latest")
+            pairs += hidden.hooks()
         return pairs
 
     @property

@@ -4,7 +4,7 @@ Prefill in canonical segments. A prompt is prefilled segment by segment, with bo
 every multiple of `SEGMENT` positions and at the marks the caller gives (the ends of chat
 messages). So the state after a prefix is always computed the same way, whatever follows it,
 and a cache of states keyed by their segments is exact to the last bit: by causal prefix
-invariance (SPEC.md §3) the state of s is the state of its prefix p continued with the rest,
+invariance (docs/theory.md §3) the state of s is the state of its prefix p continued with the rest,
 and with the same segments it is the same arithmetic.
 
 `PrefixCache` holds such states in a trie of segments, bounded in bytes, the least recently
@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,10 +51,10 @@ class ContextPolicy:
     @classmethod
     def parse(cls, text: str) -> "ContextPolicy":
         """'exact', 'block' or 'block:δ'."""
-        kind, _, delta = str(text).strip().partition(":")
-        if delta:
+        kind, _, given = str(text).strip().partition(":")
+        if given:
             try:
-                delta = int(delta)
+                delta = int(given)
             except ValueError:
                 raise InputError(f"context policy {text!r}: δ must be a positive integer, e.g. block:256") from None
             return cls(kind, delta)
@@ -100,9 +101,10 @@ class PrefixCache:
 
     def longest(self, segments: Sequence[tuple]) -> tuple[int, object] | None:
         """The deepest cached state along these segments: (segments matched, a copy of its state)."""
-        node, best = self.root, None
+        node: _Node | None = self.root
+        best: tuple[int, _Node] | None = None
         for depth, seg in enumerate(segments):
-            node = node.children.get(seg)
+            node = node.children.get(seg) if node is not None else None
             if node is None:
                 break
             if node.state is not None:
@@ -110,10 +112,12 @@ class PrefixCache:
         if best is None:
             self.misses += 1
             return None
+        depth, found = best
+        state: Any = found.state
         self.hits += 1
-        self.hit_tokens += best[1].state.n
-        self._lru.move_to_end(id(best[1]))
-        return best[0], best[1].state.clone()
+        self.hit_tokens += state.n
+        self._lru.move_to_end(id(found))
+        return depth, state.clone()
 
     def put(self, segments: Sequence[tuple], state) -> None:
         """Keep a copy of the state reached after these segments."""

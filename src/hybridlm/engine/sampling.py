@@ -1,4 +1,4 @@
-"""The sampling kernel p_θ(v | s_t) and the decoding rules that reshape it (SPEC.md §2, seed 000).
+"""The sampling kernel p_θ(v | s_t) and the decoding rules that reshape it (docs/theory.md §2).
 
     p_θ(v | s_t) = exp(z_v/τ) / Σ_u exp(z_u/τ),   τ > 0.
 

@@ -1,4 +1,4 @@
-"""One hybrid automaton of the engine's population: its state and its horizons (SPEC.md §7).
+"""One hybrid automaton of the engine's population: its state and its horizons (docs/theory.md §7).
 
 Everything a sequence's arc depends on lives in its `ArcState`: the mode q, the token step t
 and jump count k, its own rows of the model's state x, its sampling kernel and its own

@@ -1,4 +1,4 @@
-"""A hybrid system in the HyEQ sense, as functions of a sequence's state (SPEC.md §4).
+"""A hybrid system in the HyEQ sense, as functions of a sequence's state (docs/theory.md §4).
 
     H = (C, f, D, g):   ẋ ∈ f(x) while x ∈ C,   x⁺ ∈ g(x) when x ∈ D
 

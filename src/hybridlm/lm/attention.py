@@ -1,4 +1,4 @@
-"""Causal multi-head attention with optional key/value grouping (SPEC.md §2, seed 000).
+"""Causal multi-head attention with optional key/value grouping (docs/theory.md §2).
 
 For each head m: Q = Z W_Q + 𝟏b_Qᵀ, K = Z W_K + 𝟏b_Kᵀ, V = Z W_V + 𝟏b_Vᵀ,
 S = Q Kᵀ/√d_k + M_n with M_n(i, j) = −∞ for j > i, A = row-softmax(S) (lower-triangular,

@@ -1,4 +1,4 @@
-"""Model configuration: the sizes of SPEC.md §2 and the choice of pluggable parts.
+"""Model configuration: the sizes of docs/theory.md §2 and the choice of pluggable parts.
 
 One dataclass describes every decoder-only family hybridlm runs. The symbols of the
 spec map to fields as follows:

@@ -1,4 +1,4 @@
-"""Affine maps x ↦ x Wᵀ + b: every projection of the generative map (SPEC.md §2).
+"""Affine maps x ↦ x Wᵀ + b: every projection of the generative map (docs/theory.md §2).
 
 `Linear` is `torch.nn.Linear` with two changes:
 
@@ -35,7 +35,7 @@ from torch import nn
 
 from hybridlm.lm import kernels
 from hybridlm.lm.direct import DirectModule
-from hybridlm.lm.kernels import BLOCK_COLUMNS, STEP_ROWS  # noqa: F401 (STEP_ROWS: the bound the docstring names)
+from hybridlm.lm.kernels import BLOCK_COLUMNS, STEP_ROWS
 
 
 def column_major_zeros(rows: int, cols: int, **kwargs) -> torch.Tensor:

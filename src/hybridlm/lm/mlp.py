@@ -1,7 +1,7 @@
 """The MLP sublayer: GELU-tanh (GPT-2) and SwiGLU (Llama).
 
 GPT-2: σ_act(R W_fc + 𝟏b_fcᵀ) W_proj + 𝟏b_projᵀ with σ_act the tanh form of GELU,
-0.5x(1 + tanh(√(2/π)(x + 0.044715x³))) (SPEC.md §2, seed 000).
+0.5x(1 + tanh(√(2/π)(x + 0.044715x³))) (docs/theory.md §2).
 SwiGLU: (silu(R W_gate) ⊙ R W_up) W_down.
 
 A token step's rows take the compiled activations of `hybridlm.lm.kernels` (layer.c), the ones a

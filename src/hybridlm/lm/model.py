@@ -1,4 +1,4 @@
-"""The generative map of a decoder-only LM, and its state-space form (SPEC.md §2–3, seed 000).
+"""The generative map of a decoder-only LM, and its state-space form (docs/theory.md §2–§3).
 
     H⁽⁰⁾ = U(s) W_e + P W_p                                   (embedding)
     H̃    = H⁽ℓ⁻¹⁾ + Attn_ℓ(LN_{ℓ,1}(H⁽ℓ⁻¹⁾))                    (attention sublayer)
@@ -65,7 +65,7 @@ class Block(DirectModule):
 
 
 class StateSpaceForm:
-    """The state-space form of a language model (SPEC.md §3): x_0 = init_state(s),
+    """The state-space form of a language model (docs/theory.md §3): x_0 = init_state(s),
     x_{t+1} = F(x_t, w_{t+1}), z_t = G(x_t).
 
     Shared by every family: a family provides `forward(ids, state, last_only=...)`, which

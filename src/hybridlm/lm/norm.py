@@ -1,7 +1,7 @@
 """Normalisations: LayerNorm (GPT-2) and RMSNorm (Llama), one interface.
 
-LN_{γ,β}(h) = γ ⊙ (h − μ(h)𝟏)/σ(h) + β with σ = sqrt(mean (h_j − μ)² + ε) (SPEC.md §2,
-seed 000). Before the affine part it maps onto the sphere {x : Σx_j = 0, ‖x‖ = √d}.
+LN_{γ,β}(h) = γ ⊙ (h − μ(h)𝟏)/σ(h) + β with σ = sqrt(mean (h_j − μ)² + ε) (docs/theory.md
+§2). Before the affine part it maps onto the sphere {x : Σx_j = 0, ‖x‖ = √d}.
 RMSNorm drops the centring and the bias: γ ⊙ h / sqrt(mean h_j² + ε).
 
 `hook_normalized` sees the state before the affine part (the point on the sphere).

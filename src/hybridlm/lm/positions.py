@@ -1,7 +1,7 @@
 """Position encodings: learned absolute rows P W_p (GPT-2) and rotary phases (Llama).
 
-Learned positions add P W_p to the embedding, H⁽⁰⁾ = U(s) W_e + P W_p (SPEC.md §2,
-seed 000), so every row of the state depends on its absolute position. Rotary positions
+Learned positions add P W_p to the embedding, H⁽⁰⁾ = U(s) W_e + P W_p (docs/theory.md
+§2), so every row of the state depends on its absolute position. Rotary positions
 instead rotate each (query, key) pair of coordinates by an angle proportional to the
 position, θ_j = pos · base^(−2j/d_k), leaving the residual stream position-free.
 """

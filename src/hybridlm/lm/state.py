@@ -1,4 +1,4 @@
-"""The KV state x_t (SPEC.md §3, seed 000).
+"""The KV state x_t (docs/theory.md §3).
 
 By causal prefix invariance the keys and values of every layer and head over the
 positions 1..n are a sufficient statistic of the past:

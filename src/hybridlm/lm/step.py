@@ -166,7 +166,7 @@ def _replay(block, tap: torch.Tensor, layout: list[int], inner: bool, pos: torch
     part = dict(zip(_TAPS, (tap[a:b] for a, b in zip(layout, layout[1:]))))
     D = block.ln1.weight.shape[0]
     R = part["resid_pre"].numel() // D
-    rows = lambda name, *shape: part[name].view(R, 1, *shape)  # noqa: E731
+    rows = lambda name, *shape: part[name].view(R, 1, *shape)
     block.hook_resid_pre(rows("resid_pre", D))
     if inner:
         block.ln1.hook_normalized(rows("xhat1", D))

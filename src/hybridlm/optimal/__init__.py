@@ -1,4 +1,4 @@
-"""Learning as optimal control, ResNets as ODEs, memorisation (SPEC.md §5; seed 002, (0.18)–(0.38)).
+"""Learning as optimal control, ResNets as ODEs, memorisation (docs/theory.md §5.1–§5.2, the survey's (0.18)–(0.38)).
 
 * :mod:`~hybridlm.optimal.adjoint` — forward (0.24)/(0.18), adjoint (0.26)–(0.27)/(0.33) and
   weight-gradient (0.31)/(0.34) recursions written out, and gradient descent (0.32);

@@ -1,4 +1,4 @@
-"""Backpropagation as a discrete adjoint (SPEC.md §5; seed 002, "Optimal control and backpropagation").
+"""Backpropagation as a discrete adjoint (docs/theory.md §5.2, the survey's "Optimal control and backpropagation").
 
 Layers are numbered as in the survey, k = 1, …, ℓ. A network of depth ℓ has ℓ states
 z(1), …, z(ℓ) and ℓ − 1 weight matrices W(1), …, W(ℓ − 1). In code the layer index is
@@ -150,16 +150,16 @@ def loss(z_end: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def terminal_costate(z_end: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """λ(ℓ) = −∂L/∂z(ℓ) (seed 002, (0.26)); zero on the coordinates h does not read."""
+    """λ(ℓ) = −∂L/∂z(ℓ) (the survey's (0.26)); zero on the coordinates h does not read."""
     lam = torch.zeros_like(z_end)
     lam[:, : y.shape[1]] = -(z_end[:, : y.shape[1]] - y) / y.shape[0]
     return lam
 
 
 def forward(net: Network, x: torch.Tensor) -> Trajectory:
-    """z(k+1) = Σ(W(k)z(k)) (seed 002, (0.24)), or z(k) + w(k)Σ(W(k)z(k)) (seed 002, (0.18)).
+    """z(k+1) = Σ(W(k)z(k)) (the survey's (0.24)), or z(k) + w(k)Σ(W(k)z(k)) (the survey's (0.18)).
 
-    v(k+1) = W(k) z(k) (seed 002, (0.28)) is kept for the backward pass.
+    v(k+1) = W(k) z(k) (the survey's (0.28)) is kept for the backward pass.
     """
     check_samples(net, x)
     sigma = activation(net.act).sigma
@@ -176,8 +176,8 @@ def forward(net: Network, x: torch.Tensor) -> Trajectory:
 def adjoint(net: Network, traj: Trajectory, lam_end: torch.Tensor) -> torch.Tensor:
     """Λ [ℓ, s, n] with Λ[k-1] = λ(k), backwards from λ(ℓ).
 
-    Feedforward: λ(k) = W(k)ᵀ diag(σ′(v(k+1))) λ(k+1) (seed 002, (0.27)); ResNet:
-    λ(k) = λ(k+1) + w(k) W(k)ᵀ diag(σ′(v(k+1))) λ(k+1) (seed 002, (0.33)).
+    Feedforward: λ(k) = W(k)ᵀ diag(σ′(v(k+1))) λ(k+1) (the survey's (0.27)); ResNet:
+    λ(k) = λ(k+1) + w(k) W(k)ᵀ diag(σ′(v(k+1))) λ(k+1) (the survey's (0.33)).
     """
     dsigma = activation(net.act).dsigma
     lams = [lam_end]
@@ -189,9 +189,9 @@ def adjoint(net: Network, traj: Trajectory, lam_end: torch.Tensor) -> torch.Tens
 
 
 def gradients(net: Network, traj: Trajectory, lam: torch.Tensor) -> Gradients:
-    """∂J/∂W(k) = −Σ_i r_i(k+1) z_i(k)ᵀ (seed 002, (0.31)), r(k+1) = diag(σ′(v(k+1))) λ(k+1).
+    """∂J/∂W(k) = −Σ_i r_i(k+1) z_i(k)ᵀ (the survey's (0.31)), r(k+1) = diag(σ′(v(k+1))) λ(k+1).
 
-    For a ResNet every term carries the factor w(k) (seed 002, (0.34)), and
+    For a ResNet every term carries the factor w(k) (the survey's (0.34)), and
     ∂J/∂w(k) = −Σ_i λ_i(k+1)ᵀ Σ(v_i(k+1)), ∂J/∂b(k) = −w(k) Σ_i r_i(k+1).
     """
     act = activation(net.act)
@@ -214,7 +214,7 @@ def backprop(net: Network, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tens
 
 def train(net: Network, x: torch.Tensor, y: torch.Tensor, *, steps: int, lr: float,
           train_w: bool = False) -> list[float]:
-    """Gradient descent W ← W + η Σ_i r_i(k+1) z_i(k)ᵀ (seed 002, (0.32)), in place.
+    """Gradient descent W ← W + η Σ_i r_i(k+1) z_i(k)ᵀ (the survey's (0.32)), in place.
 
     Uses only the explicit gradients of :func:`gradients`; returns the loss before each step
     and after the last one (steps + 1 values). ``train_w`` also updates the ResNet's w(k).

@@ -1,6 +1,6 @@
-"""Pontryagin's costate for ż = w(t)Σ(W(t)z), discretised three ways (seed 002, (0.33)–(0.37)).
+"""Pontryagin's costate for ż = w(t)Σ(W(t)z), discretised three ways (the survey's (0.33)–(0.37)).
 
-The costate equation λ̇ = −(∂f/∂z)ᵀ λ (seed 002, (0.37)) is integrated backwards from
+The costate equation λ̇ = −(∂f/∂z)ᵀ λ (the survey's (0.37)) is integrated backwards from
 λ(ℓ) = −∂L/∂z(ℓ) on the ResNet's grid t_k = (k−1)/(ℓ−1), along the states z(k) of the
 forward-Euler pass (the ResNet's own forward pass). The Jacobian is formed as a matrix from
 the continuous model, w(t) diag(σ′(W(t)z)) W(t), independently of the ResNet's weight list.
@@ -28,7 +28,7 @@ RULES = ("semi-implicit", "explicit", "forward")
 
 
 def costate(model: ContinuousModel, Z: torch.Tensor, lam_end: torch.Tensor, rule: str) -> torch.Tensor:
-    """λ(k) for k = ℓ, …, 1 by ``rule`` along the states Z [ℓ, s, n]: [ℓ, s, n] (seed 002, (0.37))."""
+    """λ(k) for k = ℓ, …, 1 by ``rule`` along the states Z [ℓ, s, n]: [ℓ, s, n] (the survey's (0.37))."""
     if rule not in RULES:
         raise InputError(f"rule {rule!r}: expected one of {', '.join(RULES)}")
     if Z.ndim != 3 or Z.shape[-1] != model.width or lam_end.shape != Z.shape[1:]:

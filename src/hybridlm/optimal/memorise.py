@@ -1,4 +1,4 @@
-"""Memorisation as simultaneous control (SPEC.md §5; seed 002, "Universal approximation").
+"""Memorisation as simultaneous control (docs/theory.md §5.2, the survey's "Universal approximation").
 
 The memorisation problem asks for one open-loop input (w, W) that steers every sample x_i
 of a finite set to its target y_i = ψ(x_i) through the same flow: ‖ψ − h∘γ∘f‖ ≤ ε on the

@@ -1,4 +1,4 @@
-"""A Neural ODE trained with torchdiffeq's adjoint solver (SPEC.md §5; seed 002, "Neural ODEs").
+"""A Neural ODE trained with torchdiffeq's adjoint solver (docs/theory.md §5.2, the survey's "Neural ODEs").
 
 The network *is* the right-hand side: ż = f_θ(z) = W₂ Σ(W₁ z + b₁) on t ∈ [0, 1], and the
 model's output is the solution at t = 1. Gradients come from torchdiffeq's ``odeint_adjoint``,

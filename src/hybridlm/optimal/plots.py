@@ -1,4 +1,4 @@
-"""Figures for learning as optimal control (seed 002, (0.18)–(0.37)), on matplotlib's Agg canvas.
+"""Figures for learning as optimal control (the survey's (0.18)–(0.37)), on matplotlib's Agg canvas.
 
 Each function takes the JSON-able summary of a run (see :mod:`hybridlm.optimal.runs`) and
 writes one PNG; no pyplot state or display backend is touched.

@@ -1,8 +1,8 @@
-"""ResNets as Euler discretisations of ż = w(t)Σ(W(t)z) (SPEC.md §5; seed 002, (0.18)–(0.21)).
+"""ResNets as Euler discretisations of ż = w(t)Σ(W(t)z) (docs/theory.md §5.1, the survey's (0.18)–(0.21)).
 
 A continuous model with a given, smooth input W(t) (the "fixed inputs" case of the survey)
 is solved to high accuracy with scipy's DOP853. A ResNet of depth ℓ is built from it on the
-grid t_k = (k−1)/(ℓ−1), k = 1, …, ℓ, with W(k) = W(t_k) (seed 002, (0.20)); its step w(k)
+grid t_k = (k−1)/(ℓ−1), k = 1, …, ℓ, with W(k) = W(t_k) (the survey's (0.20)); its step w(k)
 is the grid spacing 1/(ℓ−1) (``step="grid"``) or the survey's w(k) = 1/ℓ (``step="survey"``;
 then z(ℓ) sits at time (ℓ−1)/ℓ, an extra O(1/ℓ) error). The error (0.21) falls like 1/ℓ.
 
@@ -56,7 +56,7 @@ def _one(t: float) -> float:
 
 @dataclass(frozen=True)
 class ContinuousModel:
-    """ż = w(t) Σ(W(t) z) on t ∈ [0, 1] (seed 002, (0.19) with the scalar input of (0.38))."""
+    """ż = w(t) Σ(W(t) z) on t ∈ [0, 1] (the survey's (0.19) with the scalar input of (0.38))."""
 
     W: Callable[[float], torch.Tensor]
     w: Callable[[float], float] = field(default=_one)
@@ -85,7 +85,7 @@ class ContinuousModel:
 
 
 def grid(depth: int) -> np.ndarray:
-    """t_k = (k−1)/(ℓ−1) for k = 1, …, ℓ (seed 002, (0.20)–(0.21))."""
+    """t_k = (k−1)/(ℓ−1) for k = 1, …, ℓ (the survey's (0.20)–(0.21))."""
     if not isinstance(depth, int | np.integer) or depth < 2:
         raise InputError(f"depth ℓ = {depth}: expected an integer ℓ ≥ 2")
     return np.linspace(0.0, 1.0, depth)

@@ -17,8 +17,9 @@ filter evaluated at every right-hand-side evaluation, not only when a command ar
 because a command held constant over an interval would not keep the condition true along it.
 The condition is imposed on h − ε (ε = 1e-6 in h's units by default): the filter then holds
 h ≥ ε in exact arithmetic, a margin a thousand times the integrator's tolerance, so the
-integrated and interpolated h never goes negative either. a and B are read from f itself (a = f(t, x, 0), column j of B = f(t, x, e_j) − a), so f must
-be affine in u, which `CBF` checks at construction on a sample state.
+integrated and interpolated h never goes negative either. a and B are read from f itself
+(a = f(t, x, 0), column j of B = f(t, x, e_j) − a), so f must be affine in u, which `CBF`
+checks at construction on a sample state.
 """
 
 from __future__ import annotations

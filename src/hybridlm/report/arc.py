@@ -1,6 +1,6 @@
 """What the report draws of one hybrid arc, computed from its trace events (and states).
 
-`arc_view(events, states)` reads the events of `hybridlm.agent.trace` in file order and
+`arc_view(events, states)` reads the events of `hybridlm.engine.trace` in file order and
 returns plain, JSON-able data: the phases as intervals over both clocks (token step t and
 wall time), the tokens, the jumps, the control actions, the engine's `batch` and `context`
 events, a plant's trajectory (`plant` events), and, when the final-layer states were

@@ -48,7 +48,7 @@ def arc_spans(events: list[dict], *, epoch_s: float | None = None) -> list:
     start, end = view["start"] or {}, view["end"] or {}
     last_wall = max([w for _, w, _ in view["wall_curve"]] + [0.0])
     base = time.time() - last_wall if epoch_s is None else epoch_s
-    ns = lambda wall: int(round((base + wall) * 1e9))  # noqa: E731
+    ns = lambda wall: int(round((base + wall) * 1e9))  # noqa: E731 - a one-line conversion, named for reading
 
     memory = InMemorySpanExporter()
     provider = TracerProvider(resource=Resource.create({"service.name": "hybridlm"}))
@@ -163,7 +163,7 @@ def export_arc(events: list[dict], target: str | os.PathLike, *, epoch_s: float 
 
 def export_trace(path: str | os.PathLike, target: str | os.PathLike) -> int:
     """Export a trace file's arc; its file was last written at the arc's end, which fixes the Unix time."""
-    from hybridlm.agent.trace import read_trace
+    from hybridlm.engine.trace import read_trace
 
     events = read_trace(path)
     walls = [e["wall_s"] for e in events if isinstance(e.get("wall_s"), (int, float))]

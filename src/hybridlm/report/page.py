@@ -88,7 +88,7 @@ def render_survey_report(folder: str | os.PathLike) -> str:
 
 def report_html(path: str | os.PathLike, *, states: str | os.PathLike | None = None) -> tuple[str, str]:
     """(kind, HTML) for a trace file, a consensus run folder or a survey run folder."""
-    from hybridlm.agent.trace import read_trace
+    from hybridlm.engine.trace import read_trace
 
     kind = detect(path)
     if kind != "arc":

@@ -5,7 +5,8 @@
     serve(service, port=8000)                           # or `with running(service) as url:`
 
 Layers, each importing only the ones below: `wire` (the OpenAI request and error shapes),
-`chat` (a chat request as a hybrid system; what its arc shows the client), `service` (the
+`chat` (a chat request's conversation and the client's side of its jump map; the system
+itself is hybridlm.turns'), `service` (the
 engine's thread, continuations, arcs), `handlers` (requests → sequences → responses and
 streams), `metrics`, `app` (the routes), `run` (uvicorn).
 """

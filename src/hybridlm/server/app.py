@@ -139,7 +139,7 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
         return HTMLResponse(html)
 
     # ------------------------------------------------------------------ completions
-    async def run(request: Request, prep: H.Prepared, respond, stream):
+    async def run(request: Request, prep: H.Prepared, respond):
         queue = H.attach(prep, asyncio.get_running_loop())
         service.submit(prep.sequences)
         with service.counters.lock:
@@ -147,7 +147,7 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
         headers = {"X-Hybridlm-Arcs": ",".join(s.name for s in prep.sequences)}
         if prep.stream:
             metrics.request(endpoint(request), 200)
-            return StreamingResponse(stream(prep, queue, service, metrics.ttft), media_type="text/event-stream",
+            return StreamingResponse(H.stream(prep, queue, service, metrics.ttft), media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         if not await H.wait_all(prep, queue, service, request.is_disconnected):
             metrics.request(endpoint(request), 499)
@@ -165,13 +165,13 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
         authorize(request)
         body = parse_chat(await body_of(request))
         prep = await run_in_threadpool(H.prepare_chat, service, body)
-        return await run(request, prep, H.chat_response, H.stream_chat)
+        return await run(request, prep, H.chat_response)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         authorize(request)
         body = parse_completion(await body_of(request))
         prep = await run_in_threadpool(H.prepare_completion, service, body)
-        return await run(request, prep, H.completion_response, H.stream_completion)
+        return await run(request, prep, H.completion_response)
 
     return app

@@ -14,12 +14,11 @@ import json
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from hybridlm.agent.protocol import Protocol
-from hybridlm.agent.tools import ToolRegistry
-from hybridlm.constraints import json_schema_constraint, library, tool_call_constraint
+from hybridlm.constraints import json_schema_constraint, library
 from hybridlm.engine.arc import Termination
 from hybridlm.engine.clock import default_stops, sequence
 from hybridlm.engine.sampling import Kernel
@@ -28,8 +27,11 @@ from hybridlm.errors import HybridLMError, InputError
 from hybridlm.server import chat as C
 from hybridlm.server.service import Service
 from hybridlm.server.wire import APIError, ChatBody, CompletionBody, invalid, prompt_list, stop_list
+from hybridlm.turns import (
+    TAGGED_JSON, CallCodec, Conversation, Offer, Protocol, View, codec_for, render, tool_call_constraint, turns_of,
+)
 
-FINISH = {
+FINISH: dict[Termination | None, str] = {
     Termination.STOP_TOKEN: "stop", Termination.STOP_SEQUENCE: "stop", Termination.CONSTRAINT: "stop",
     Termination.TOKEN_BUDGET: "length", Termination.JUMP_HORIZON: "length", Termination.JUMP_SET: "tool_calls",
 }
@@ -48,7 +50,9 @@ class Prepared:
     include_usage: bool = False
     logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: off
     stops: tuple[str, ...] = ()
-    plan: C.ChatPlan | None = None
+    offer: Offer | None = None  # what a chat request's turns offer
+    client_tools: frozenset = frozenset()  # the offered tools whose jump map runs in the client
+    codec: CallCodec = TAGGED_JSON  # the call format of the model's turns
     prompt_tokens: list[int] = field(default_factory=list)  # per sequence
     prompt_texts: list[str] = field(default_factory=list)  # completions with echo
     echo: bool = False
@@ -71,7 +75,7 @@ def _kernel(body, vocab: int) -> Kernel:
     for key in bias:
         if int(key) >= vocab:
             raise invalid(f"logit_bias key {key}: expected a token id < {vocab} (the vocabulary)", param="logit_bias")
-    inputs = dict(frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
+    inputs: dict[str, Any] = dict(frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
                   logit_bias=bias)
     try:
         if body.temperature == 0:
@@ -108,19 +112,20 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
     model, tok = service.model, service.tokenizer
     if not getattr(tok, "chat_template", None):
         raise invalid(f"the model {service.model_id} has no chat template; use /v1/completions", param="messages")
-    client = [{"name": t.function.name, "description": t.function.description, "parameters": t.function.parameters}
-              for t in body.tools or []]
+    client: list[dict[str, Any]] = [
+        {"name": t.function.name, "description": t.function.description, "parameters": t.function.parameters}
+        for t in body.tools or []]
     # The server's own tools are offered when the client names none, unless it asks for a structured
     # reply: response_format and callable tools exclude each other.
     wants_format = body.response_format is not None and body.response_format.type != "text"
     server = [] if body.tools is not None or service.tools is None or (wants_format and body.tool_choice is None) \
-        else [t.schema() for t in service.tools]
+        else [t.offered() for t in service.tools]
     offered = client or server
-    choice = body.tool_choice
-    if choice is None:
+    asked_choice = body.tool_choice
+    if asked_choice is None:
         choice = "auto" if offered else "none"
-    elif not isinstance(choice, str):
-        choice = choice.function.name
+    else:
+        choice = asked_choice if isinstance(asked_choice, str) else asked_choice.function.name
     names = [t["name"] for t in offered]
     if choice == "required" and not offered:
         raise invalid("tool_choice 'required' needs tools (the request's, or the server's --tools)", param="tool_choice")
@@ -128,11 +133,11 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
         raise invalid(f"tool_choice names {choice!r}, which is not among the tools {names[:8]}", param="tool_choice")
     if not offered:
         choice = "none"
-    schema = None
+    schema: dict | bool | None = None
     rf = body.response_format
     if rf is not None and rf.type == "json_object":
         schema = {"type": "object"}
-    elif rf is not None and rf.type == "json_schema":
+    elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
         schema = rf.json_schema.schema_
     if schema is not None and offered and choice != "none":
         raise invalid("response_format with tools that may be called is not supported; give one or the other "
@@ -144,29 +149,27 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
             raise invalid(f"response_format: {exc}", param="response_format") from None
     parallel = body.parallel_tool_calls if body.parallel_tool_calls is not None else True
     stops = stop_list(body.stop)
-    plan = C.ChatPlan(offered=offered, client_tools=frozenset(t["name"] for t in client), tool_choice=choice,
-                      parallel=parallel, schema=schema, stop=stops)
+    codec = codec_for(model)
     if offered:
         try:  # every schema compiles before anything joins the engine
-            tool_call_constraint(tok, offered, choice, parallel=parallel)
+            tool_call_constraint(tok, offered, choice, parallel=parallel, codec=codec)
         except InputError as exc:
             raise invalid(f"tools: {exc}", param="tools") from None
 
-    protocol = Protocol(tok, ToolRegistry())
+    protocol = Protocol(tok, offered, example=False, codec=codec)
     messages = body.messages
     pending = C.pending_tool_results(messages)
     entry, resume = None, []
     if pending is not None and client:
         i, results = pending
-        head = C.template_messages(messages[: i + 1], offered)
+        head = C.template_messages(messages[: i + 1], protocol)
         entry = service.continuations.get(C.conversation_key(head))
         if entry is not None:
-            observations = [results[c.id] for c in messages[i].tool_calls]
+            observations = [results[c.id] for c in messages[i].tool_calls or []]
             resume = protocol.observation_ids(head, observations, turn_closed=entry.turn_closed)
-            tmpl = head + [{"role": "tool", "content": f"{C.RESPONSE_OPEN}{y}{C.RESPONSE_CLOSE}"}
-                           for y in observations]
+            tmpl = head + [{"role": "tool", "content": codec.render_result(y)} for y in observations]
     if entry is None:
-        tmpl = C.template_messages(messages, offered)
+        tmpl = C.template_messages(messages, protocol)
         try:
             prompt, marks = protocol.prompt_ids_and_marks(tmpl)
         except HybridLMError as exc:
@@ -178,14 +181,24 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
     kernel = _kernel(body, service.model.config.vocab_size)
     lim = Limits(max_token_steps=budget, max_jumps=service.max_jumps if server else 0,
                  max_jumps_per_step=max(1, service.max_jumps) if parallel and server else 1)
-    setup = C.ToolSetup(tok, service.tools if server else ToolRegistry(), Protocol(tok, ToolRegistry()), choice,
-                        parallel, model.config.vocab_size)
-    plan.notes = {"continues": entry.arc} if entry is not None else {}
+    client_tools = frozenset(t["name"] for t in client)
+    offer = Offer(tools=tuple({**t, "server": "client"} if t["name"] in client_tools else t for t in offered),
+                  choice=choice, parallel=parallel, calls=bool(offered), answer_schema=schema, stops=stops)
+    elsewhere = C.ClientTools(client_tools, tok, codec, stops) if client_tools else None
+    run = None
+    if server:
+        tools = service.tools
+
+        def run(k, name, arguments):
+            return tools.call(name, arguments)
+
+    notes = {"prompt_tokens": len(prompt), **({"continues": entry.arc} if entry is not None else {})}
     ident = f"chatcmpl-{secrets.token_hex(12)}"
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    seqs = []
+    seqs: list[ArcState] = []
     for i, seed in enumerate(_seeds(body)):
-        system = C.ChatSystem(setup, plan)
+        system = Conversation(tok, protocol, offer, vocab_size=model.config.vocab_size, run=run, elsewhere=elsewhere,
+                              kind="chat", notes=notes)
         s = ArcState(system, list(prompt), kernel=kernel, seed=seed, limits=lim, stop_ids=frozenset(tok.stop_ids()),
                      messages=list(tmpl), marks=tuple(marks), name=f"{ident}-{i}",
                      continues=entry.state if entry is not None else None, resume=list(resume), logprobs=logprobs)
@@ -196,8 +209,8 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
         seqs.append(s)
     return Prepared("chat", ident, int(time.time()), service.model_id, seqs, stream=body.stream,
                     include_usage=bool(body.stream_options and body.stream_options.include_usage), logprobs=logprobs,
-                    stops=stops, plan=plan, prompt_tokens=[len(prompt)] * len(seqs), n=body.n,
-                    continued_from=entry.arc if entry is not None else None)
+                    stops=stops, offer=offer, client_tools=client_tools, codec=codec,
+                    prompt_tokens=[len(prompt)] * len(seqs), n=body.n, continued_from=entry.arc if entry is not None else None)
 
 
 def prepare_completion(service: Service, body: CompletionBody) -> Prepared:
@@ -207,7 +220,8 @@ def prepare_completion(service: Service, body: CompletionBody) -> Prepared:
     kernel = _kernel(body, service.model.config.vocab_size)
     ident = f"cmpl-{secrets.token_hex(12)}"
     V = model.config.vocab_size
-    seqs, lengths, texts = [], [], []
+    seqs: list[ArcState] = []
+    lengths, texts = [], []
     stop_ids = default_stops(model)
     for p, prompt in enumerate(prompt_list(body.prompt)):
         if isinstance(prompt, str):
@@ -221,7 +235,7 @@ def prepare_completion(service: Service, body: CompletionBody) -> Prepared:
         if not ids:
             raise invalid(f"prompt[{p}] encodes to no tokens", param="prompt")
         budget = _budget(service, len(ids), body.max_tokens, "max_tokens", prompt="prompt")
-        for i, seed in enumerate(_seeds(body)):
+        for seed in _seeds(body):
             s = sequence(model, ids, kernel=kernel, max_new_tokens=budget, seed=seed, stop_ids=stop_ids, stop=stops,
                          name=f"{ident}-{len(seqs)}")
             s.logprobs = body.logprobs
@@ -292,12 +306,12 @@ class ChoiceState:
         return {"content": entries, "refusal": None}
 
 
-def _view(prep: Prepared, turns: list[str], final: bool, s=None) -> C.View:
-    plan = prep.plan
-    possible = plan is not None and bool(plan.offered) and plan.tool_choice != "none"
+def _view(prep: Prepared, turns: list[str], final: bool, s=None) -> View:
+    offer = prep.offer
+    possible = offer is not None and offer.calls and offer.choice != "none"
     cut = s is None or s.arc.termination not in (Termination.STOP_TOKEN, Termination.STOP_SEQUENCE)
-    return C.render(turns, final=final, stops=prep.stops, client_tools=plan.client_tools if plan else frozenset(),
-                    calls_possible=possible, cut=cut)
+    return render(turns, final=final, stops=prep.stops, client_tools=prep.client_tools, calls_possible=possible,
+                  cut=cut, codec=prep.codec)
 
 
 def _token_logprob(tok, lib, event) -> dict:
@@ -344,10 +358,10 @@ def chat_response(prep: Prepared, service: Service) -> dict:
     for i, s in enumerate(prep.sequences):
         if s.arc.termination is Termination.ERROR:
             raise _error_of(s)
-        view = _view(prep, C.turns_of(s, tok), final=True, s=s)
+        view = _view(prep, turns_of(s, tok), final=True, s=s)
         calls = [{"id": C.call_id(s, c.index), "type": "function",
                   "function": {"name": c.name, "arguments": c.arguments}} for c in view.calls]
-        message = {"role": "assistant", "content": view.content if view.content or not calls else None,
+        message: dict[str, Any] = {"role": "assistant", "content": view.content if view.content or not calls else None,
                    "refusal": None}
         if calls:
             message["tool_calls"] = calls
@@ -369,7 +383,7 @@ def completion_response(prep: Prepared, service: Service) -> dict:
         if s.arc.termination is Termination.ERROR:
             raise _error_of(s)
         tokens = [e for e in s.arc.of("token") if not e.get("stop")]
-        text = C.render([tok.decode([e["token"] for e in tokens])], final=True, stops=prep.stops,
+        text = render([tok.decode([e["token"] for e in tokens])], final=True, stops=prep.stops,
                         calls_possible=False).content
         prefix = prep.prompt_texts[i] if prep.echo else ""
         logprobs = _completion_logprobs(tok, tokens, len(prefix)) if prep.logprobs is not None else None
@@ -381,7 +395,7 @@ def completion_response(prep: Prepared, service: Service) -> dict:
 
 
 def _completion_logprobs(tok, events, offset: int) -> dict:
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for e in events:
         text = tok.token_str(e["token"])
         out["tokens"].append(text)
@@ -424,21 +438,16 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def stream_chat(prep: Prepared, queue: asyncio.Queue, service: Service, ttft):
-    """chat.completion.chunk events: the role, content deltas, each call's id and name once and
-    its argument deltas, the finish reason; usage last when asked; then [DONE]."""
-    tok = service.tokenizer
-    lib = library.library_tokenizer(tok) if prep.logprobs is not None else None
+async def stream(prep: Prepared, queue: asyncio.Queue, service: Service, ttft):
+    """The server-sent events of a streamed request, chat or completion alike: each choice's opening
+    chunk, then, as its sequence's events arrive, the chunks of what the client has not seen
+    yet (the kind's `Chunks`), its error or its finish reason; usage last when asked; then [DONE]."""
+    chunks = (ChatChunks if prep.kind == "chat" else CompletionChunks)(prep, service)
     states = [ChoiceState(prep, s, service) for s in prep.sequences]
-    base = {"id": prep.id, "object": "chat.completion.chunk", "created": prep.created, "model": prep.model,
-            "system_fingerprint": _fingerprint(service)}
-
-    def chunk(i: int, delta: dict, finish=None, logprobs=None) -> str:
-        return sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
-
     try:
         for i in range(len(states)):
-            yield chunk(i, {"role": "assistant", "content": "", "refusal": None})
+            for text in chunks.opening(i):
+                yield text
         left = len(states)
         while left:
             i, event = await queue.get()
@@ -458,94 +467,89 @@ async def stream_chat(prep: Prepared, queue: asyncio.Queue, service: Service, tt
                     ttft(st.first_token - prep.received)
                 if event.kind != "token":
                     continue
-            view = _view(prep, st.texts(), final=final, s=st.s if final else None)
-            for text in _deltas(st, view, i, prep, service, lib):
+            for text in chunks.update(i, st, final):
                 yield text
-            # tokens that are no content (a call's markup and arguments, a stop sequence's text)
-            # have their log-probabilities in a chunk of their own, so the chunks hold them all
-            if st.pending_logprobs and (final or view.calls):
-                yield chunk(i, {}, logprobs=st.take_logprobs(lib))
-            if final:
-                yield chunk(i, {}, finish=FINISH.get(st.s.arc.termination, "stop"))
         if prep.include_usage:
-            yield sse({**base, "choices": [], "usage": _usage(prep)})
+            yield sse({**chunks.base, "choices": [], "usage": _usage(prep)})
         yield sse("[DONE]")
     finally:
         service.cancel(prep.sequences)  # a client gone mid-stream frees its rows at once
 
 
-def _deltas(st: ChoiceState, view: C.View, i: int, prep: Prepared, service: Service, lib):
-    """A content delta carries the log-probabilities of the tokens that wrote it (as OpenAI's
-    chunks do); each call's id and name once, then its argument deltas."""
-    base = {"id": prep.id, "object": "chat.completion.chunk", "created": prep.created, "model": prep.model,
-            "system_fingerprint": _fingerprint(service)}
-    if len(view.content) > st.content_sent:
-        delta = view.content[st.content_sent:]
-        st.content_sent = len(view.content)
-        yield sse({**base, "choices": [{"index": i, "delta": {"content": delta}, "logprobs": st.take_logprobs(lib),
-                                        "finish_reason": None}]})
-    for c in view.calls:
-        sent = st.calls_sent.get(c.index)
-        parts = []
-        if sent is None:
-            parts.append({"index": c.index, "id": C.call_id(st.s, c.index), "type": "function",
-                          "function": {"name": c.name, "arguments": c.arguments}})
-            st.calls_sent[c.index] = len(c.arguments)
-        elif len(c.arguments) > sent:
-            parts.append({"index": c.index, "function": {"arguments": c.arguments[sent:]}})
-            st.calls_sent[c.index] = len(c.arguments)
-        if parts:
-            yield sse({**base, "choices": [{"index": i, "delta": {"tool_calls": parts}, "logprobs": None,
-                                            "finish_reason": None}]})
+class ChatChunks:
+    """chat.completion.chunk events: the role, content deltas, each call's id and name once and
+    its argument deltas, the finish reason."""
 
+    def __init__(self, prep: Prepared, service: Service) -> None:
+        self.prep = prep
+        self.lib = library.library_tokenizer(service.tokenizer) if prep.logprobs is not None else None
+        self.base = {"id": prep.id, "object": "chat.completion.chunk", "created": prep.created, "model": prep.model,
+                     "system_fingerprint": _fingerprint(service)}
 
-async def stream_completion(prep: Prepared, queue: asyncio.Queue, service: Service, ttft):
-    tok = service.tokenizer
-    states = [ChoiceState(prep, s, service) for s in prep.sequences]
-    base = {"id": prep.id, "object": "text_completion", "created": prep.created, "model": prep.model,
-            "system_fingerprint": _fingerprint(service)}
-    offsets = [len(prep.prompt_texts[i]) if prep.echo else 0 for i in range(len(states))]
-    try:
-        for i in range(len(states)):
-            if prep.echo:
-                yield sse({**base, "choices": [{"index": i, "text": prep.prompt_texts[i], "logprobs": None,
-                                                "finish_reason": None}]})
-        left = len(states)
-        while left:
-            i, event = await queue.get()
-            st = states[i]
-            final = event is None
-            if final:
-                left -= 1
-                if st.s.arc.termination is Termination.ERROR:
-                    yield sse(_error_of(st.s).body())
-                    continue
-                if st.s.arc.termination is Termination.CANCELLED:
-                    continue
-            else:
-                had = st.first_token
-                st.on_event(event)
-                if had is None and st.first_token is not None and ttft is not None:
-                    ttft(st.first_token - prep.received)
-                if event.kind != "token":
-                    continue
-            view = C.render(st.texts(), final=final, stops=prep.stops, calls_possible=False)
+    def chunk(self, i: int, delta: dict, finish=None, logprobs=None) -> str:
+        return sse({**self.base, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
+                                              "finish_reason": finish}]})
+
+    def opening(self, i: int):
+        yield self.chunk(i, {"role": "assistant", "content": "", "refusal": None})
+
+    def update(self, i: int, st: ChoiceState, final: bool):
+        """A content delta carries the log-probabilities of the tokens that wrote it (as OpenAI's
+        chunks do); each call's id and name once, then its argument deltas. Tokens that are no
+        content (a call's markup and arguments, a stop sequence's text) have their
+        log-probabilities in a chunk of their own, so the chunks hold them all."""
+        view = _view(self.prep, st.texts(), final=final, s=st.s if final else None)
+        if len(view.content) > st.content_sent:
             delta = view.content[st.content_sent:]
-            st.content_sent = max(st.content_sent, len(view.content))
-            logprobs = None
-            if st.pending_logprobs:
-                logprobs = _completion_logprobs(tok, st.pending_logprobs, offsets[i])
-                offsets[i] += sum(len(t) for t in logprobs["tokens"])
-                st.pending_logprobs = []
-            if delta or logprobs or final:
-                yield sse({**base, "choices": [{"index": i, "text": delta, "logprobs": logprobs,
-                                                "finish_reason": FINISH.get(st.s.arc.termination, "stop")
-                                                if final else None}]})
-        if prep.include_usage:
-            yield sse({**base, "choices": [], "usage": _usage(prep)})
-        yield sse("[DONE]")
-    finally:
-        service.cancel(prep.sequences)
+            st.content_sent = len(view.content)
+            yield self.chunk(i, {"content": delta}, logprobs=st.take_logprobs(self.lib))
+        for c in view.calls:
+            sent = st.calls_sent.get(c.index)
+            parts = []
+            if sent is None:
+                parts.append({"index": c.index, "id": C.call_id(st.s, c.index), "type": "function",
+                              "function": {"name": c.name, "arguments": c.arguments}})
+                st.calls_sent[c.index] = len(c.arguments)
+            elif len(c.arguments) > sent:
+                parts.append({"index": c.index, "function": {"arguments": c.arguments[sent:]}})
+                st.calls_sent[c.index] = len(c.arguments)
+            if parts:
+                yield self.chunk(i, {"tool_calls": parts})
+        if st.pending_logprobs and (final or view.calls):
+            yield self.chunk(i, {}, logprobs=st.take_logprobs(self.lib))
+        if final:
+            yield self.chunk(i, {}, finish=FINISH.get(st.s.arc.termination, "stop"))
+
+
+class CompletionChunks:
+    """text_completion events: the prompt first when echoed, then text deltas with their
+    log-probabilities, the finish reason with the last."""
+
+    def __init__(self, prep: Prepared, service: Service) -> None:
+        self.prep, self.tokenizer = prep, service.tokenizer
+        self.base = {"id": prep.id, "object": "text_completion", "created": prep.created, "model": prep.model,
+                     "system_fingerprint": _fingerprint(service)}
+        self.offsets = [len(prep.prompt_texts[i]) if prep.echo else 0 for i in range(len(prep.sequences))]
+
+    def chunk(self, i: int, text: str, logprobs=None, finish=None) -> str:
+        return sse({**self.base, "choices": [{"index": i, "text": text, "logprobs": logprobs,
+                                              "finish_reason": finish}]})
+
+    def opening(self, i: int):
+        if self.prep.echo:
+            yield self.chunk(i, self.prep.prompt_texts[i])
+
+    def update(self, i: int, st: ChoiceState, final: bool):
+        view = render(st.texts(), final=final, stops=self.prep.stops, calls_possible=False)
+        delta = view.content[st.content_sent:]
+        st.content_sent = max(st.content_sent, len(view.content))
+        logprobs = None
+        if st.pending_logprobs:
+            logprobs = _completion_logprobs(self.tokenizer, st.pending_logprobs, self.offsets[i])
+            self.offsets[i] += sum(len(t) for t in logprobs["tokens"])
+            st.pending_logprobs = []
+        if delta or logprobs or final:
+            yield self.chunk(i, delta, logprobs, FINISH.get(st.s.arc.termination, "stop") if final else None)
 
 
 def first_token_delay(prep: Prepared, s: ArcState) -> float | None:

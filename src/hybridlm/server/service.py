@@ -14,7 +14,7 @@ Two stores make a conversation cheap to continue:
 - `Continuations`: the state an arc ended in when it stopped in the jump set of a client-side
   tool, keyed by the conversation the client will send back. The request that brings the
   tool results continues from that state, with the observations injected through a prefill
-  as the agent's jump map injects them (hybridlm.agent.protocol), instead of prefilling the
+  as every jump map injects them (hybridlm.turns.protocol), instead of prefilling the
   conversation again.
 
 Every arc is kept (the last `max_arcs`) for `GET /v1/arcs/{id}`.
@@ -196,7 +196,7 @@ class Service:
                 try:
                     if engine.busy:
                         engine.step()
-                except Exception as exc:  # noqa: BLE001 - a fault of one step must not stop the server
+                except Exception as exc:
                     log.exception("engine step failed")
                     self._fail_all(exc)
                 self.counters.rate.append((time.perf_counter(), engine.stats.tokens))
@@ -257,12 +257,12 @@ class Service:
             c.mode_s[Mode.GENERATE.value] += s.arc.wall_in(Mode.GENERATE)
             c.mode_s[Mode.EXTERNAL.value] += s.arc.wall_in(Mode.EXTERNAL)
             c.completion_tokens += s.t
-        keep = getattr(s.system, "continuation", None)
-        if keep is not None and s.arc.termination is Termination.JUMP_SET and s.x is not None:
+        elsewhere = getattr(s.system, "elsewhere", None)  # the jump map of a client's tools (hybridlm.turns)
+        if elsewhere is not None and s.arc.termination is Termination.JUMP_SET and s.x is not None:
             try:
-                key, entry = keep(s, compact_copy(s.x))
+                key, entry = elsewhere.continuation(s, compact_copy(s.x))
                 self.continuations.put(key, entry)
-            except Exception:  # noqa: BLE001 - a missed continuation costs one prefill, nothing more
+            except Exception:
                 log.exception("could not keep the continuation of %s", s.name)
         # the arc stays (its events, for /v1/arcs) but not its rows of the state: kept arcs held
         # their KV states, ~12 MB each, and the server's memory grew with every request

@@ -14,7 +14,7 @@ accepted and ignored, as OpenAI-compatible servers do; parameters whose effect i
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, Strict
@@ -152,7 +152,10 @@ class CompletionBody(_Sampling):
 
 
 # ---------------------------------------------------------------------- parsing
-def parse_body(raw: bytes | str | dict, cls: type[BaseModel]) -> BaseModel:
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(raw: bytes | str | dict, cls: type[Body]) -> Body:
     """The body as `cls`, or an APIError (400) naming the first bad parameter."""
     if isinstance(raw, (bytes, bytearray, str)):
         try:
@@ -333,7 +336,7 @@ def _check_tool_turns(messages: list[Message]) -> None:
                 what = "no preceding assistant message has tool_calls" if opened_at < 0 else \
                     f"messages[{opened_at}] has no unanswered call with that id"
                 raise invalid(f"messages[{i}]: a tool message must answer a call of the assistant message before "
-                              f"it; tool_call_id {m.tool_call_id[:40]!r}: {what}", param=f"messages[{i}].tool_call_id")
+                              f"it; tool_call_id {str(m.tool_call_id)[:40]!r}: {what}", param=f"messages[{i}].tool_call_id")
             open_calls.remove(m.tool_call_id)
             continue
         if open_calls:

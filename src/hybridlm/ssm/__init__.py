@@ -1,4 +1,5 @@
-"""Recurrent and selective state-space models as two-index (layer, position) recurrences (seed 002, (S16)–(S17)).
+"""Recurrent and selective state-space models as two-index (layer, position) recurrences
+(docs/theory.md §5.4, the survey's (S16)–(S17)).
 
 `StackLM` runs a stack of selective-SSM (S), Elman-RNN (R) and attention (A) blocks with the
 transformer's state-space interface; `SSMState` is its fixed-size state.

@@ -1,4 +1,4 @@
-"""Configuration of a recurrent / selective state-space / hybrid stack (seed 002, (S16)–(S17)).
+"""Configuration of a recurrent / selective state-space / hybrid stack (docs/theory.md §5.4, the survey's (S16)–(S17)).
 
 One letter per block names its token mixer, the map that moves information along the
 positions i of layer k:

@@ -1,4 +1,5 @@
-"""Recurrent, selective-SSM and hybrid stacks as two-index (layer, position) systems (seed 002, (S16)–(S17)).
+"""Recurrent, selective-SSM and hybrid stacks as two-index (layer, position) systems
+(docs/theory.md §5.4, the survey's (S16)–(S17)).
 
 Information moves along two indices: vertically through the blocks k = 1..L and
 horizontally along the positions i = 1..n, where block k keeps a memory c(k, i):
@@ -73,7 +74,7 @@ class RecurrentBlock(DirectModule):
         return self.hook_resid_post(h + self.hook_mlp_out(self.mlp(self.ln2(h))))
 
     def mixer_step(self, h: torch.Tensor, pos=None) -> torch.Tensor:
-        """The block without its MLP (the looped runner's `attention_only`, seed 002 (0.41))."""
+        """The block without its MLP (the looped runner's `attention_only`, the survey's (0.41))."""
         return self.hook_resid_post(self.mix(h))
 
 

@@ -1,4 +1,4 @@
-"""State norms ‖c(k, i)‖ over positions i, one curve per block k (seed 002, (S16)–(S17))."""
+"""State norms ‖c(k, i)‖ over positions i, one curve per block k (docs/theory.md §5.4, the survey's (S16)–(S17))."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Elman recurrent mixer (seed 002, (S16)).
+"""The Elman recurrent mixer (docs/theory.md §5.4, the survey's (S16)).
 
     c(k, i) = tanh(A(k) c(k, i−1) + B(k) z(k, i) + b(k)),   c(k, 0) = 0
     y(k, i) = C(k) c(k, i)

@@ -1,4 +1,4 @@
-"""The linear recurrence along positions, c_i = a_i ⊙ c_{i−1} + b_i, two ways (seed 002, (S17)).
+"""The linear recurrence along positions, c_i = a_i ⊙ c_{i−1} + b_i, two ways (docs/theory.md §5.4, the survey's (S17)).
 
 For a diagonal state matrix Ā(k, z) the position recursion of (S17) is element-wise, and
 the pairs (a, b) compose under the associative operator

@@ -1,4 +1,4 @@
-"""The diagonal selective state-space mixer, in the manner of Mamba (seed 002, (S17)).
+"""The diagonal selective state-space mixer, in the manner of Mamba (docs/theory.md §5.4, the survey's (S17)).
 
 Per block k and position i, with u = z(k, i) mapped into d_inner channels:
 

@@ -1,11 +1,11 @@
-"""The state x_t of a recurrent / SSM / hybrid stack (seed 002, (S16)–(S17)).
+"""The state x_t of a recurrent / SSM / hybrid stack (docs/theory.md §5.4, the survey's (S16)–(S17)).
 
 For a recurrent block k the memory c(k, i) after the last position i = n is a sufficient
 statistic of the past: c(k, n+1) needs only c(k, n) and z(k, n+1). So x_t holds one
 fixed-size c(k, ·) per recurrent block (and the short convolution's window of the last
 d_conv − 1 inputs), whatever n is: memory and per-token decode cost are flat in the
 context length. Attention blocks of a hybrid keep their keys and values in a `KVState`
-(`x.attn`), which grows with n as in SPEC.md §3.
+(`x.attn`), which grows with n as in docs/theory.md §3.
 
 Like `KVState`, x also holds the string s_t it summarises (to rebuild from Π_T(s) when
 the horizon is reached) and the readout z of its last position.

@@ -1,4 +1,4 @@
-"""A tiny selective SSM learns a task that needs selective memory (seed 002, (S17)).
+"""A tiny selective SSM learns a task that needs selective memory (docs/theory.md §5.4, the survey's (S17)).
 
 The task, "latest key": the string mixes key tokens (0..K−1, rare) with noise tokens
 (K..K+M−1); at every position the model must name the most recent key seen so far. The

@@ -1,4 +1,4 @@
-"""Weights from a GGUF file: SmolLM2-135M-Instruct and other Llama models (SPEC.md §2, §6).
+"""Weights from a GGUF file: SmolLM2-135M-Instruct and other Llama models (docs/theory.md §2, §6).
 
 A GGUF file holds metadata (sizes, vocabulary, merges, chat template) and tensors, most
 of them quantised in blocks: Q8_0 stores x = d·q (8-bit q, one scale d per 32 numbers),
@@ -6,7 +6,7 @@ Q4_0 x = d·(q − 8), Q4_1 x = d·q + m (4-bit q, scale d and offset m per 32),
 super-blocks of 256. `load_gguf_model` reads the header with `gguf_header` (every count
 bounded by the file's size, every metadata key type-checked), turns every tensor into
 float32 with `gguf.quants.dequantize`, renames llama.cpp's tensors to
-the parameters of `DecoderLM` and builds the model of SPEC.md §2 with the Llama parts:
+the parameters of `DecoderLM` and builds the model of docs/theory.md §2 with the Llama parts:
 RMSNorm, rotary positions, grouped-query attention, SwiGLU, tied embeddings.
 
 llama.cpp stores W_Q and W_K with the rows of each head interleaved, rotary pairs (2i, 2i+1);

@@ -484,7 +484,7 @@ def fetch_from_hub(name: str) -> Path:
             break
         try:
             return Path(snapshot_download(repo, allow_patterns=patterns, local_files_only=local_only))
-        except Exception:  # noqa: BLE001 - every failure ends in the same advice below
+        except Exception:
             continue
     raise ModelNotFoundError(
         f"could not get the weights of {name!r} ({repo}): not in the local hub cache and the hub is "

@@ -208,7 +208,7 @@ def _hub_cached(repo: str) -> bool:
         from huggingface_hub import try_to_load_from_cache
 
         return isinstance(try_to_load_from_cache(repo, "config.json"), str)
-    except Exception:  # noqa: BLE001 - a broken cache counts as absent
+    except Exception:
         return False
 
 

@@ -1,4 +1,4 @@
-/* One decode step of causal attention (SPEC.md §2–3): B sequences, one new query row each,
+/* One decode step of causal attention (docs/theory.md §2–§3): B sequences, one new query row each,
  * against the KV state (see hybridlm/kernels/__init__.py and hybridlm/attention.py).
  *
  * For sequence b, query head h and its key/value head j = ⌊h / (H / H_kv)⌋, at position n:

@@ -1,4 +1,4 @@
-/* A token step of the blocks (SPEC.md §2): R rows, one new position each, through consecutive
+/* A token step of the blocks (docs/theory.md §2): R rows, one new position each, through consecutive
  * blocks in one call, where no hook that may replace a state watches those blocks (hooks that
  * only observe get the states from the taps afterwards; see hybridlm/lm/kernels/__init__.py and
  * hybridlm/lm/step.py). For block ℓ,

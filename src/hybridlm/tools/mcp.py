@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from hybridlm.agent.tools import Observation, Tool, ToolRegistry, registry
+from hybridlm.tools.registry import Observation, Tool, ToolRegistry
 from hybridlm.errors import InputError
 
 DEFAULT_TIMEOUT_S = 30.0  # a tool call
@@ -87,7 +87,7 @@ class ServerSpec:
             parts = urlsplit(self.url)
             return f"{parts.hostname}:{parts.port}" if parts.port else str(parts.hostname)
         script = next((a for a in self.args if not a.startswith("-")), None)
-        return Path(script or self.command).stem
+        return Path(script or self.command or self.text).stem
 
 
 @dataclass
@@ -120,7 +120,7 @@ class MCPServers:
 
     def __init__(self, specs: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-        _check_timeout(timeout_s, "MCP timeout")
+        check_timeout(timeout_s, "MCP timeout")
         self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
         self.connections = [_Connection(ServerSpec.parse(s)) for s in specs]
         self.tools: list[Tool] = []
@@ -168,7 +168,7 @@ class MCPServers:
                         break
                 ready.set_result(None)
                 await conn.stop.wait()
-        except BaseException as exc:  # noqa: BLE001 - recorded: the calls report it
+        except BaseException as exc:
             conn.dead = conn.dead or f"the session ended ({_reason(exc)})"
             if not ready.done():
                 ready.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
@@ -186,7 +186,7 @@ class MCPServers:
         conn.errlog = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")
         # the server gets the user's environment, as a command run from the shell does (the SDK's
         # default passes only HOME, PATH and a few others: tokens, PYTHONPATH, a venv were lost)
-        return stdio_client(StdioServerParameters(command=conn.spec.command, args=conn.spec.args,
+        return stdio_client(StdioServerParameters(command=str(conn.spec.command), args=conn.spec.args,
                                                   env=dict(os.environ)), errlog=conn.errlog)
 
     # ------------------------------------------------------------------ tools
@@ -257,7 +257,8 @@ class MCPServers:
             if conn.holder is not None and conn.client is not None:
                 with contextlib.suppress(BaseException):
                     conn.holder.result(10.0)  # stdio shutdown: stdin closed, 2 s grace, then terminate/kill
-        stuck = [c.task for c in self.connections if c.task is not None and not c.holder.done()]
+        stuck = [c.task for c in self.connections
+                 if c.task is not None and c.holder is not None and not c.holder.done()]
         if stuck:  # (a server that never finished its handshake): cancelled, and its shutdown awaited
             with contextlib.suppress(BaseException):
                 asyncio.run_coroutine_threadsafe(_cancel(stuck), self._loop).result(15.0)
@@ -276,7 +277,7 @@ class MCPServers:
         self.close()
 
 
-def _check_timeout(timeout_s: float, what: str) -> None:
+def check_timeout(timeout_s: float, what: str) -> None:
     if not 0 < timeout_s < math.inf:
         raise InputError(f"{what} {timeout_s}: expected a positive, finite number of seconds")
 
@@ -351,28 +352,4 @@ def mcp_tools(specs: Sequence[str], *, into: ToolRegistry | None = None,
             if t.name in reg:
                 raise InputError(f"MCP tool {t.name!r} of server {t.server} has the name of a tool already offered")
             reg.register(t)
-        yield reg
-
-
-@contextlib.contextmanager
-def tool_registry(tools: str = "calculator", *, kb: str | Path | None = None, mcp: Sequence[str] = (),
-                  timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[ToolRegistry]:
-    """The registry of the `--tools`, `--kb` and `--mcp` options (for `agent` and `serve`).
-
-    `tools` is a comma-separated list of built-ins, or "none" for only the MCP servers' tools.
-    """
-    names = [n.strip() for n in tools.split(",") if n.strip()]
-    if not names:
-        raise InputError(f"--tools {tools!r}: expected tool names (e.g. calculator,clock) or none")
-    _check_timeout(timeout_s, "--mcp-timeout")
-    if names == ["none"]:
-        names = []
-    elif "none" in names:
-        raise InputError(f"--tools {tools!r}: 'none' cannot be combined with other tools")
-    specs = [ServerSpec.parse(s).text for s in mcp]  # every bad value named before any server starts
-    reg = registry(names, kb=kb)
-    if not specs:
-        yield reg
-        return
-    with mcp_tools(specs, into=reg, timeout_s=timeout_s) as reg:
         yield reg

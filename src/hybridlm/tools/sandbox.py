@@ -166,7 +166,8 @@ def _address_space_bytes() -> int | None:
 
 def _read_until(fd: int, deadline: float, *, limit: int) -> tuple[bytes, bool]:
     """Bytes from the pipe until EOF (True) or the deadline (False); at most `limit` kept."""
-    chunks, total = [], 0
+    chunks: list[bytes] = []
+    total = 0
     try:
         while True:
             left = deadline - time.monotonic()

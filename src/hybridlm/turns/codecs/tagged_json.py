@@ -1,0 +1,205 @@
+"""The tagged-JSON call format: `<tool_call>{"name": …, "arguments": {…}}</tool_call>`.
+
+A call is a JSON object with the tool's name and its arguments between the tags; several
+calls in one turn follow each other (a newline between them allowed) and end the turn. A
+tool's result comes back as `<tool_response>y</tool_response>` in a turn of role `tool`.
+The system prompt shows the format and lists each tool's JSON schema on a line of its own.
+
+`parse_calls` reads what a model wrote without any mask (the "free" baseline) into calls, or
+one line that says what is wrong; it never raises, whatever the text. The grammar of a
+constrained turn is llguidance's Lark with each call's JSON an inline `%json` schema: the
+name is one of the offered tools and the arguments follow that tool's schema; "auto" is
+lazy (free text until the model writes `<tool_call>`, constrained from there).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+
+from hybridlm.constraints import library
+from hybridlm.constraints.calls import argument_schemas
+from hybridlm.turns.codecs.base import CallCodec, PartialCall, ToolCall
+from hybridlm.turns.codecs.json_text import as_json, closing_tag, scan_object
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+MAX_CALL_CHARS = 1_000_000  # a call longer than this is not parsed (bounds the parser's time)
+
+INSTRUCTIONS = (
+    "You are a helpful assistant that can call tools. To call a tool, reply with exactly\n"
+    f'{OPEN}{{"name": TOOL_NAME, "arguments": {{...}}}}{CLOSE}\n'
+    f"and wait: the result comes back as {RESPONSE_OPEN}...{RESPONSE_CLOSE}. "
+    "Then answer the user in one short sentence that states the result.\n"
+    "If the result is an error, read it, fix the arguments and call again.\n"
+)
+TOOLS_HEADER = "Tools (JSON schemas):\n"
+
+
+# ---------------------------------------------------------------------- the free parser
+def parse_calls(text: str, tools: Iterable[str] | None = None) -> tuple[list[ToolCall], str | None]:
+    """The calls in `text` (what follows each <tool_call> up to its </tool_call>), and an error.
+
+    The error is None when every call parsed; otherwise one line naming the first bad call
+    (the calls before it are returned). `tools`, when given, are the names a call may use.
+    """
+    try:
+        return _parse(text, None if tools is None else set(tools))
+    except Exception as exc:  # noqa: BLE001 - hostile text gets an error line, never an exception
+        return [], f"unparsable tool call ({type(exc).__name__})"
+
+
+def _parse(text: str, names: set[str] | None) -> tuple[list[ToolCall], str | None]:
+    if not isinstance(text, str):
+        return [], f"expected text, got {type(text).__name__}"
+    calls: list[ToolCall] = []
+    if OPEN not in text:
+        return [], f"no {OPEN} in the text"
+    for start, end in call_spans(text):
+        if end < 0:
+            return calls, f"call {len(calls) + 1}: {OPEN} is never closed by {CLOSE}"
+        call, error = _one_call(text[start:end], names)
+        if error is not None or call is None:
+            return calls, f"call {len(calls) + 1}: {error}"
+        calls.append(call)
+    return calls, None
+
+
+def call_end(text: str, start: int, *, partial: bool = False) -> int:
+    """Where the call whose body starts at `start` is closed: the </tool_call> right after its JSON
+    object, else the first </tool_call> outside a JSON string (a string argument may hold the tag
+    itself); −1 when the call is not closed. For finished text (`partial` false) whose JSON is
+    broken, the first </tool_call> at all."""
+    return closing_tag(text, start, CLOSE, partial=partial)
+
+
+def call_spans(text: str, *, partial: bool = False) -> Iterator[tuple[int, int]]:
+    """(start, end) of each call's body in the text, in order: from after <tool_call> to its
+    </tool_call> (call_end); the last has end −1 when it is not closed."""
+    at = text.find(OPEN)
+    while at >= 0:
+        start = at + len(OPEN)
+        end = call_end(text, start, partial=partial)
+        yield start, end
+        at = text.find(OPEN, end + len(CLOSE)) if end >= 0 else -1
+
+
+def call_is_open(text: str) -> bool:
+    """The text's last <tool_call> has not been closed yet (the text is still being written)."""
+    return any(end < 0 for _, end in call_spans(text, partial=True))
+
+
+def _one_call(body: str, names: set[str] | None) -> tuple[ToolCall | None, str | None]:
+    if len(body) > MAX_CALL_CHARS:
+        return None, f"{len(body)} characters, more than {MAX_CALL_CHARS}"
+    try:
+        obj = json.loads(body)
+    except RecursionError:
+        return None, "JSON nested too deeply"
+    except ValueError as exc:
+        return None, f"not JSON ({str(exc).splitlines()[0][:120]})"
+    if not isinstance(obj, dict):
+        return None, f'expected {{"name": ..., "arguments": {{...}}}}, got a JSON {type(obj).__name__}'
+    name, arguments = obj.get("name"), obj.get("arguments", {})
+    if not isinstance(name, str):
+        return None, f'"name" must be a string, got {_short(name)}'
+    if names is not None and name not in names:
+        return None, f"unknown tool {name[:80]!r}; tools: {sorted(names)[:8]}"
+    if isinstance(arguments, str):  # OpenAI's wire format carries the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return None, '"arguments" is a string that is not a JSON object'
+    if not isinstance(arguments, dict):
+        return None, f'"arguments" must be an object, got {_short(arguments)}'
+    extra = set(obj) - {"name", "arguments"}
+    if extra:
+        return None, f"unexpected keys {sorted(extra)[:4]} beside name and arguments"
+    return ToolCall(name, arguments), None
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def call_text(name: str, arguments: dict) -> str:
+    """One call as the model writes it (and the prompt and the constraint spell it)."""
+    return f"{OPEN}{as_json({'name': name, 'arguments': arguments})}{CLOSE}"
+
+
+# ---------------------------------------------------------------------- the grammar
+def _call_schema(name: str, arguments: dict) -> dict:
+    return {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def lark(tools: dict[str, dict], choice: str, parallel: bool, max_calls: int | None, max_string: int | None) -> str:
+    """The turn's grammar in llguidance's Lark format, each call's JSON an inline %json schema."""
+    free = "TEXT: /(?s:.*)/"
+    if choice == "none":
+        return f"start: NO_CALL\nNO_CALL: /(?s:.*)/ & ~/(?s:.*){OPEN}(?s:.*)/\n"
+    arguments, defs = argument_schemas(tools, max_string)
+    body: dict = {"anyOf": [_call_schema(n, arguments[n]) for n in tools],
+                  "x-guidance": {**library.JSON_FORMAT, "lenient": True}}
+    if defs:
+        body["$defs"] = defs
+    more = "" if not parallel else (f' ("\\n"? call){{0,{max_calls - 1}}}' if max_calls else ' ("\\n"? call)*')
+    lines = [
+        f"body: %json {json.dumps(body)}",
+        f'call: "{OPEN}" body "{CLOSE}"',
+    ]
+    if choice == "auto":
+        lines += [
+            "start: TEXT | head body rest",
+            free,
+            f'head[lazy]: TEXT "{OPEN}"',
+            f'rest: "{CLOSE}"{more}',
+        ]
+    else:
+        lines += [f"start: call{more}"]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------- the codec
+class TaggedJSON(CallCodec):
+    """`<tool_call>{"name": …, "arguments": {…}}</tool_call>`, results in `<tool_response>` tags."""
+
+    name = "tagged_json"
+    opening = OPEN
+
+    def tools_prompt(self, schemas: Sequence[dict], *, rules: str = "") -> str:
+        return INSTRUCTIONS + rules + TOOLS_HEADER + "\n".join(as_json(s) for s in schemas)
+
+    def render_calls(self, text: str, calls: Sequence[tuple[str, str]]) -> str:
+        return text + "\n".join(f'{OPEN}{{"name": {as_json(name)}, "arguments": {arguments}}}{CLOSE}'
+                                for name, arguments in calls)
+
+    def render_result(self, result: str) -> str:
+        return f"{RESPONSE_OPEN}{result}{RESPONSE_CLOSE}"
+
+    def parse(self, text: str, tools: Iterable[str] | None = None) -> tuple[list[ToolCall], str | None]:
+        return parse_calls(text, tools)
+
+    def complete_calls(self, text: str, tools: Iterable[str] | None = None) -> list[ToolCall]:
+        if OPEN not in text or CLOSE not in text:
+            return []
+        return parse_calls(text[: text.rfind(CLOSE) + len(CLOSE)], tools)[0]
+
+    def scan(self, text: str, *, final: bool) -> list[PartialCall]:
+        out = []
+        for start, end in call_spans(text, partial=not final):  # (a string argument may hold </tool_call>)
+            closed = end >= 0
+            name, arguments, complete = scan_object(text[start:end] if closed else text[start:])
+            out.append(PartialCall(name, arguments, complete and closed or (final and complete)))
+        return out
+
+    def is_open(self, text: str) -> bool:
+        return call_is_open(text)
+
+    def raw_call(self, text: str) -> str:
+        return text.rsplit(OPEN, 1)[-1].split(CLOSE)[0]
+
+    def grammar(self, tools: dict[str, dict], choice: str, *, parallel: bool, max_calls: int | None,
+                max_string: int | None) -> str:
+        return lark(tools, choice, parallel, max_calls, max_string)

@@ -1,0 +1,226 @@
+"""A conversation whose assistant turns may call tools, as a hybrid system of the engine (docs/theory.md §4).
+
+    modes      q_G (generate: prefill, decode, constrained phases) and q_E (external: a tool runs)
+    flow set   C = {q_G, the answer not finished}
+    flow map   f: one token step, w_{t+1} ~ p_θ(· | s_t) (masked by the turn's constraint),
+               x_{t+1} = F(x_t, w_{t+1})  (the engine's, shared by every system)
+    jump set   D = {q_G, the turn has just completed its calls}
+    jump map   g: run the calls for wall time (q_E), then s⁺ = Π_T(Φ(s, enc(y))), the
+               observations entering the state through a prefill phase; k ← k + 1
+
+The turn is the discrete part of the state: each assistant turn has one constraint
+(`Conversation.turn`), free text or calls of the offered tools in the call format's grammar
+(hybridlm.turns.constraint), opened lazily in "auto". C and D meet where a call has just
+completed; the engine's priority rule (jumps first, by default) takes the jump there.
+
+Where g runs is a collaborator, passed in (as is `outcome`, what a caller makes of a finished
+arc): `run` runs a call here (a tool registry, or the
+recorded observations of a replay), and `elsewhere` names the tools whose jump map runs
+outside the engine (a client's): an arc that reaches D at a call of one of them ends there,
+with termination cause `jump_set`, and `elsewhere.continuation` keeps its state for the
+sequence that brings the results. The engine's horizons bound the arc: a token budget, a
+jump horizon for the jumps that run here, and at most `max_jumps_per_step` jumps at one
+token step (no Zeno loop of calls); when no jump is allowed the turn may open no call.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol as Interface
+
+import torch
+
+from hybridlm.constraints import json_schema_constraint
+from hybridlm.engine.arc import Termination
+from hybridlm.engine.sequence import ArcState
+from hybridlm.engine.system import HybridSystem
+from hybridlm.tools import Observation
+from hybridlm.turns.constraint import FreeTurn, tool_call_constraint
+from hybridlm.turns.protocol import Protocol, schema_of
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What the turns of a conversation offer the model, and how."""
+
+    tools: tuple[dict, ...] = ()  # {"name", "description", "parameters"} of each tool, and "server" where known
+    choice: str = "auto"  # the first turn's tool choice: auto | required | none | an offered tool's name
+    parallel: bool = False  # several calls in a turn (each a jump, their observations in order)
+    constrain: bool = True  # each turn masked by the format's grammar (False: the free baseline)
+    calls: bool = True  # the conversation speaks the call format (False: a plain chat, nothing about calls)
+    answer_schema: dict | bool | None = None  # the JSON Schema of an answer, when no call may be made
+    stops: tuple[str, ...] = ()  # stop strings of the answer
+
+
+class Elsewhere(Interface):
+    """The jump map of some tools runs outside the engine (a client runs them)."""
+
+    names: frozenset[str]
+
+    def continuation(self, s, state) -> tuple[str, Any]:
+        """What to keep of an arc that ended in D at one of their calls: (key, entry)."""
+        ...
+
+
+Run = Callable[[int, str, Any], Observation]  # (jump index k, tool, arguments) → y, in a worker thread
+
+
+class Conversation(HybridSystem):
+    """H = (C, f, D, g) of a conversation with tools, its turns in the call format of `protocol.codec`."""
+
+    def __init__(self, tokenizer, protocol: Protocol, offer: Offer, *, vocab_size: int | None,
+                 run: Run | None = None, elsewhere: Elsewhere | None = None,
+                 outcome: Callable[[Any], Any] | None = None, kind: str = "agent", notes: dict | None = None) -> None:
+        self.tokenizer, self.protocol, self.codec, self.offer = tokenizer, protocol, protocol.codec, offer
+        self.vocab_size, self.run, self.elsewhere, self.outcome = vocab_size, run, elsewhere, outcome
+        self.kind, self.notes = kind, dict(notes or {})
+        self.servers = {t["name"]: t.get("server") for t in offer.tools}
+        self.schemas = [schema_of(t) for t in offer.tools]
+
+    # ------------------------------------------------------------------ the turn
+    def turn(self, s, *, first: bool):
+        """The constraint of the turn that starts now (the first turn follows the tool choice; a turn
+        after a jump is "auto"); None when nothing is constrained."""
+        o, lim = self.offer, s.limits
+        left = None
+        if not self.elsewhere:  # the jumps that run here count against the jump horizon
+            left = min(lim.max_jumps - s.k, lim.max_jumps_per_step)
+        if not o.constrain:
+            opened = first and o.choice == "required"
+            return FreeTurn(self.tokenizer, codec=self.codec, text=self.codec.opening if opened else "")
+        budget = max(1, lim.max_token_steps - s.t)
+        choice = o.choice if first else "auto"
+        if not o.calls or o.choice == "none" or (left is not None and left <= 0):
+            choice = "none"
+        if choice == "none" and o.answer_schema is not None:
+            return json_schema_constraint(self.tokenizer, o.answer_schema, budget=budget, vocab_size=self.vocab_size)
+        if not o.calls:
+            return None
+        parallel = o.parallel and (left is None or left > 1)
+        return tool_call_constraint(self.tokenizer, self.schemas, choice, parallel=parallel,
+                                    max_calls=left if parallel else None, budget=budget, vocab_size=self.vocab_size,
+                                    codec=self.codec)
+
+    # ------------------------------------------------------------------ C and f
+    def controlled(self, s) -> bool:
+        return not getattr(s.constraint, "in_call", False)  # inside a call the constraint is the input
+
+    def phase_of(self, s) -> str:
+        c = s.constraint
+        if c is None or isinstance(c, FreeTurn):
+            return "decode"
+        return "constrained" if getattr(c, "in_call", True) else "decode"
+
+    def flow_mask(self, s) -> torch.Tensor | None:
+        """The free baseline, when no jump is allowed: remove the tokens that would complete a call's opening."""
+        if not isinstance(s.constraint, FreeTurn) or s.constraint.in_call or self._may_jump(s):
+            return None
+        table, opening = self.tokenizer.table, self.codec.opening
+        turn_text = self.tokenizer.decode(s.turn)
+        banned = table.containing(opening)
+        for n in range(1, len(opening)):
+            if turn_text.endswith(opening[:n]):
+                banned = banned + table.starting_with(opening[n:])
+        if not banned:
+            return None
+        allowed = torch.ones(table.size, dtype=torch.bool)
+        allowed[torch.tensor(banned)] = False
+        return allowed
+
+    def flowed(self, s, token: int) -> None:
+        """A stop token outside the jump set finishes the answer; so does a constraint that ended without
+        a call (cut short by its budget: the cause is the budget's), and a stop string in the free text."""
+        in_D = self.jump_set(s)
+        c = s.constraint
+        if token in s.stop_ids and not in_D:
+            s.finished = Termination.STOP_TOKEN
+        elif c is not None and not isinstance(c, FreeTurn) and c.finished and not in_D:
+            s.finished = Termination.TOKEN_BUDGET if getattr(c, "forced", False) else Termination.CONSTRAINT
+        elif self.offer.stops and not in_D:
+            free = self.codec.free_text(self.tokenizer.decode([i for i in s.turn if i not in s.stop_ids]))
+            if any(stop in free for stop in self.offer.stops):
+                s.finished = Termination.STOP_SEQUENCE
+
+    def _may_jump(self, s) -> bool:
+        return self.offer.choice != "none" and s.jumps_allowed
+
+    # ------------------------------------------------------------------ D and g
+    def jump_set(self, s) -> bool:
+        """The turn's constraint is finished and holds calls (the free baseline: a call, parsed or not)."""
+        c = s.constraint
+        return c is not None and c.finished and getattr(c, "made_call", False)
+
+    def jumps_elsewhere(self, s) -> bool:
+        names = self.elsewhere.names if self.elsewhere else ()
+        return bool(names) and any(call.name in names for call in s.constraint.calls())
+
+    def jump(self, s: ArcState) -> Callable[[], list[tuple[str, Any, Observation]]]:
+        c = s.constraint
+        s.call = c
+        if isinstance(c, FreeTurn):
+            parsed, error = c.parsed()
+            calls: list[tuple[str, Any, Observation | None]] = [(p.name, p.arguments, None) for p in parsed]
+            if error is not None:  # the first bad call, after the good ones, reports what is wrong
+                bad = Observation(f"error: malformed tool call ({error})", "malformed_call")
+                calls.append(("?", self.codec.raw_call(c.text), bad))
+        else:
+            calls = [(p.name, p.arguments, None) for p in c.calls()]
+        ks = [s.k + i for i in range(len(calls))]
+        run = self.run or _nowhere
+
+        def work() -> list[tuple[str, Any, Observation]]:
+            """The calls of the turn, run side by side in wall time; their observations in order."""
+            def one(i: int) -> Observation:
+                name, arguments, given = calls[i]
+                return given or run(ks[i], name, arguments)
+
+            if len(calls) == 1:
+                return [(calls[0][0], calls[0][1], one(0))]
+            with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+                return [(c[0], c[1], obs) for c, obs in zip(calls, pool.map(one, range(len(calls))))]
+
+        return work
+
+    def landed(self, s, results) -> list[int]:
+        for name, arguments, obs in results:
+            s.count_jump()
+            s.emit("jump", id=f"call-{s.name}-{s.k}", tool=name, arguments=arguments, observation=obs.text,
+                   error=obs.error, duration_s=obs.duration_s, server=self.servers.get(name))
+        closed = bool(s.turn) and s.turn[-1] in s.stop_ids  # the model closed its turn itself
+        s.messages.append({"role": "assistant", "content": s.call.text})
+        observations = [obs.text for _, _, obs in results]
+        enc = self.protocol.observation_ids(s.messages, observations, turn_closed=closed)
+        s.messages += [{"role": "tool", "content": text} for text in observations]
+        s.constraint = self.turn(s, first=False)
+        return enc
+
+    # ------------------------------------------------------------------ the end
+    def answer(self, s) -> str:
+        """The free text of the last turn, without a call the token budget cut."""
+        text = self.tokenizer.decode([i for i in s.turn if i not in s.stop_ids])
+        return self.codec.without_open_call(text).strip()
+
+    def summary(self, s) -> dict:
+        return {"answer": self.answer(s)} if s.task is not None else {}  # an agent's arc answers its task
+
+    def ended(self, s) -> None:
+        s.result = self.outcome(s) if self.outcome is not None else s.arc
+
+    def describe(self, s) -> dict:
+        o = self.offer
+        out: dict = {"system": self.kind}
+        if s.task is not None:
+            out["task"] = s.task
+        out |= {"tool_choice": o.choice, "constrain": o.constrain, "parallel_tool_calls": o.parallel,
+                "tools": [dict(t) for t in o.tools]}
+        if o.stops:
+            out["stop"] = list(o.stops)
+        if o.answer_schema is not None:
+            out["response_schema"] = o.answer_schema
+        return {**out, **self.notes}
+
+
+def _nowhere(k: int, name: str, arguments) -> Observation:
+    return Observation(f"error: the tool {name!r} does not run here", "unknown_tool")
