@@ -41,7 +41,8 @@ from hybridlm.lm.model import DecoderLM
 from hybridlm.weights.checks import Weights, assemble
 from hybridlm.weights.gguf_header import TensorInfo, read_header
 from hybridlm.tokenizer import Tokenizer, byte_level_bpe
-from hybridlm.weights.registry import SMOLLM2_MODULE, SMOLLM2_PACKAGE, smollm2_path  # noqa: F401 - re-exported: where the embedded file lives
+# the embedded file is located in registry; these names stay importable from here
+from hybridlm.weights.registry import SMOLLM2_MODULE, SMOLLM2_PACKAGE, smollm2_path
 
 
 
