@@ -140,6 +140,8 @@ class Engine:
         model = self.model
         s.started = time.perf_counter()
         s.generator = torch.Generator(device=_device(model)).manual_seed(s.seed)
+        s.recent = deque(maxlen=s.kernel.repeat_window)
+        s.entered(s.prompt)
         s.emit("start", **s.system.describe(s), model=getattr(model, "source", "?"),
                precision=getattr(model, "precision", "float32"), kernel=asdict(s.kernel),
                limits=asdict(s.limits), seed=s.seed, context=self.context.describe(),
@@ -270,6 +272,7 @@ class Engine:
                     if inject(self.model, s.x, tokens, policy=self.context):
                         s.rebuilds += 1
                         s.emit("context", policy=self.context.describe(), n=s.x.n if hasattr(s.x, "n") else None)
+                s.entered(tokens)
                 if s.controls is not None:
                     s.controls.observe(tokens)
             except Exception as exc:  # noqa: BLE001
@@ -321,6 +324,7 @@ class Engine:
                 s.emit("control", **rec)
             s.generated.append(w)
             s.counts[w] = s.counts.get(w, 0) + 1
+            s.entered((w,))
             s.turn.append(w)
             if s.constraint is not None:
                 s.constraint.advance(w)
@@ -341,12 +345,12 @@ class Engine:
         self.stats.wall_flow_s += time.perf_counter() - t0
 
     def _draw(self, s: ArcState) -> tuple[int, float, list[dict], torch.Tensor | None]:
-        """w_{t+1} ~ p_θ,u(· | s_t) for one row: its readout, its kernel's penalties and bias, its masks and
-        controllers, its kernel.
+        """w_{t+1} ~ p_θ,u(· | s_t) for one row: its readout, its kernel's bias and penalties, its masks and
+        controllers, its kernel (the order of `hybridlm.engine.sampling`).
         The last item is the readout z_t before any input, when the sequence records log p_θ."""
         z = self.model.G(s.x)
         seen = z if s.logprobs is not None else None
-        z = s.kernel.penalised(z, s.counts)
+        z = s.kernel.penalised(z, s.counts, s.recent)
         masks = [m for m in (s.constraint.mask() if s.constraint is not None else None, s.system.flow_mask(s))
                  if m is not None]
         for m in masks:
