@@ -391,3 +391,85 @@ def test_sampling_with_min_p_and_top_k_draws_what_transformers_warpers_give(toy_
             scores = proc(torch.tensor([ids]), scores)
         ids.append(int(draw(torch.softmax(scores, dim=-1), g)))
     assert got == ids[len(prompt):]
+
+
+# ---------------------------------------------------------------------- what a token event records
+class _Allowed:
+    """A constraint that allows a fixed set of tokens at every step (the engine's Constraint protocol)."""
+
+    def __init__(self, vocab: int, allowed):
+        self.allowed = torch.zeros(vocab, dtype=torch.bool)
+        self.allowed[list(allowed)] = True
+        self.finished = False
+
+    def mask(self):
+        return self.allowed
+
+    def advance(self, token):
+        assert self.allowed[token]
+
+    def describe(self):
+        return {"kind": "a fixed set"}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kernel, constrained", [
+    (Kernel(greedy=True), False),
+    (Kernel(greedy=True), True),
+    (Kernel(temperature=0.7, top_k=20, min_p=0.05), False),
+    (Kernel(temperature=1.4, top_p=0.9), True),
+    (Kernel(greedy=True, repeat_penalty=1.5, repeat_last_n=-1), False),
+])
+def test_every_token_records_the_models_logprob_and_the_kernels_beside_it(toy_hub, toy_model, kernel, constrained):
+    """`logprob` is log p_θ(w | s) at τ = 1 of transformers' logits (the unmasked model) whatever drew w, and
+    `kernel_logprob` is log p(w | s) under the kernel that drew it, written out with transformers' processors:
+    0 under greedy decoding, the masked, tempered, truncated distribution otherwise."""
+    from transformers import (
+        MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from hybridlm.engine.clock import generate
+
+    _, ref = toy_hub
+    prompt = [464, 3290, 318, 257, 1332, 13]
+    allowed = range(200, 700) if constrained else None
+    constraint = _Allowed(ref.config.vocab_size, allowed) if constrained else None
+    run = generate(toy_model, prompt, kernel=kernel, max_new_tokens=12, stop_ids=[], seed=3, constraint=constraint)
+    events = run.arc.of("token")
+    assert len(events) == 12
+    ids = list(prompt)
+    for step, e in zip(run.steps, events):
+        z = ref(torch.tensor([ids])).logits[0, -1]
+        w = step.token
+        assert e["logprob"] == step.logprob == pytest.approx(float(torch.log_softmax(z.double(), -1)[w]), abs=2e-4)
+        scores = z[None].clone()
+        if kernel.repeat_penalty != 1:
+            scores = RepetitionPenaltyLogitsProcessor(kernel.repeat_penalty)(torch.tensor([ids]), scores)
+        if constrained:
+            scores[0, [v for v in range(scores.shape[-1]) if v not in allowed]] = float("-inf")
+        if kernel.greedy:
+            assert w == int(scores.argmax()) and e["kernel_logprob"] == step.kernel_logprob == 0.0
+        else:
+            procs = [TemperatureLogitsWarper(kernel.temperature)]
+            procs += [TopKLogitsWarper(kernel.top_k)] if kernel.top_k else []
+            procs += [TopPLogitsWarper(kernel.top_p)] if kernel.top_p else []
+            procs += [MinPLogitsWarper(kernel.min_p)] if kernel.min_p else []
+            for proc in procs:
+                scores = proc(torch.tensor([ids]), scores)
+            expect = float(torch.log_softmax(scores[0].double(), -1)[w])
+            assert e["kernel_logprob"] == pytest.approx(expect, abs=2e-4)
+        ids.append(w)
+    assert any(e["logprob"] < -1e-3 for e in events)  # the model's own probability is not the greedy kernel's 1
+
+
+def test_token_probabilities_of_traces_of_every_version():
+    """A token event written before `kernel_logprob` holds the kernel's value under `logprob` (and the model's,
+    when asked, under `model_logprob`); `token_logprobs` reads both kinds."""
+    from hybridlm.engine.arc import Event, token_logprobs
+
+    assert token_logprobs({"logprob": -0.25, "kernel_logprob": 0.0}) == (-0.25, 0.0)
+    assert token_logprobs({"logprob": 0.0}) == (None, 0.0)  # an old greedy trace: the model's is unknown
+    assert token_logprobs({"logprob": -0.1, "model_logprob": -0.7}) == (-0.7, -0.1)
+    assert token_logprobs(Event("token", 1, 0, 0.0, {"logprob": -1.5, "kernel_logprob": -0.5})) == (-1.5, -0.5)
+    assert token_logprobs({}) == (None, None)

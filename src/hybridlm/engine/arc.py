@@ -11,7 +11,8 @@ An arc is a list of `Event`s in the order they happened. The kinds:
 
 - `start`: the sequence's configuration (system, kernel, limits, seed, ...);
 - `phase`: a phase change (prefill, decode, constrained, external) and the mode q_G / q_E;
-- `token`: one token step of the flow: the token, its text, log p under the shaped kernel;
+- `token`: one token step of the flow: the token, its text, the model's log p_θ at τ = 1 and the
+  kernel's log p beside it (`token_logprobs` reads both, from traces of any version);
 - `control`: what a controller did before a token step (removed mass, shift, ...);
 - `jump`: one jump: the tool, its arguments, the observation, error and wall duration;
 - `batch`: the sequence left or joined the engine's batch (q_E: its tool runs while the
@@ -83,6 +84,16 @@ class Event:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.data.get(key, default)
+
+
+def token_logprobs(event) -> tuple[float | None, float | None]:
+    """(log p_θ(w | s_t) of the model at τ = 1, log p(w | s_t) under the kernel that drew w) of a token event
+    (an Event or its dict); None where the trace did not record it. Traces written before `kernel_logprob`
+    was recorded hold the kernel's under `logprob` (0 under greedy decoding) and the model's, when it was
+    asked for, under `model_logprob`."""
+    if event.get("kernel_logprob") is not None:
+        return event.get("logprob"), event.get("kernel_logprob")
+    return event.get("model_logprob"), event.get("logprob")
 
 
 @dataclass

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import math
 import threading
 import time
 from collections import deque
@@ -296,12 +297,12 @@ class Engine:
         draws, records = [], []
         for s in list(batch):
             try:
-                w, logprob, recs, seen = self._draw(s)
+                w, kernel_logprob, recs, z = self._draw(s)
             except Exception as exc:  # noqa: BLE001
                 batch.remove(s)
                 self._fail(s, exc)
                 continue
-            draws.append((w, logprob, seen))
+            draws.append((w, kernel_logprob, z))
             records.append(recs)
         if not batch:
             return
@@ -318,7 +319,7 @@ class Engine:
         self.stats.steps += 1
         self.stats.rows += len(batch)
         self.stats.tokens += len(batch)
-        for s, (w, logprob, seen), recs, before in zip(batch, draws, records, rebuilds):
+        for s, (w, kernel_logprob, z), recs, before in zip(batch, draws, records, rebuilds):
             s.t += 1
             for rec in recs:
                 s.emit("control", **rec)
@@ -332,8 +333,8 @@ class Engine:
                 s.controls.advance(w)
             rebuilt = getattr(s.x, "rebuilds", 0) > before
             s.rebuilds += rebuilt
-            s.emit("token", token=w, text=_text(model, w), logprob=round(logprob, 6), n=getattr(s.x, "n", None),
-                   rebuilt=rebuilt, stop=w in s.stop_ids, phase=s.phase, **_model_logprobs(seen, w, s.logprobs))
+            s.emit("token", token=w, text=_text(model, w), **_logprobs(z, w, kernel_logprob, s.logprobs),
+                   n=getattr(s.x, "n", None), rebuilt=rebuilt, stop=w in s.stop_ids, phase=s.phase)
             try:
                 s.system.flowed(s, w)
                 phase = s.system.phase_of(s)
@@ -344,12 +345,11 @@ class Engine:
                 s.enter_phase(phase)
         self.stats.wall_flow_s += time.perf_counter() - t0
 
-    def _draw(self, s: ArcState) -> tuple[int, float, list[dict], torch.Tensor | None]:
+    def _draw(self, s: ArcState) -> tuple[int, float, list[dict], torch.Tensor]:
         """w_{t+1} ~ p_θ,u(· | s_t) for one row: its readout, its kernel's bias and penalties, its masks and
-        controllers, its kernel (the order of `hybridlm.engine.sampling`).
-        The last item is the readout z_t before any input, when the sequence records log p_θ."""
-        z = self.model.G(s.x)
-        seen = z if s.logprobs is not None else None
+        controllers, its kernel (the order of `hybridlm.engine.sampling`). Returns w, log p_θ,u(w | s_t) under
+        the kernel that drew it, what the controllers did, and the readout z_t before any input."""
+        readout = z = self.model.G(s.x)
         z = s.kernel.penalised(z, s.counts, s.recent)
         masks = [m for m in (s.constraint.mask() if s.constraint is not None else None, s.system.flow_mask(s))
                  if m is not None]
@@ -362,7 +362,7 @@ class Engine:
         if masks and not bool(torch.isfinite(z).any()):
             raise InputError(f"token step {s.t + 1}: no token is allowed (every logit is masked)")
         w, logprob = s.kernel.sample_with_logprob(z, s.generator)
-        return int(w[0]), float(logprob[0]), recs, seen
+        return int(w[0]), float(logprob[0]), recs, readout
 
     def _keep_forks(self, batch: list[ArcState]) -> None:
         """A state may carry the fork of its successors a barrier computed (the step then adopts the
@@ -405,17 +405,24 @@ class Engine:
                 ctx.rows = None
 
 
-def _model_logprobs(z: torch.Tensor | None, w: int, k: int | None) -> dict:
-    """log p_θ(w | s_t) under the model's own kernel (τ = 1, no input) and its k most likely
-    tokens, for the token event; {} when not recorded."""
-    if z is None:
-        return {}
-    lp = torch.log_softmax(z[0].float(), dim=-1)
-    out = {"model_logprob": round(float(lp[w]), 6)}
+def _logprobs(z: torch.Tensor, w: int, kernel_logprob: float, k: int | None) -> dict:
+    """The token event's probabilities: `logprob` = log p_θ(w | s_t) of the model itself (τ = 1, the readout
+    before any input: what the model thought of w, whatever drew it), `kernel_logprob` = log p of w under the
+    kernel that drew it (bias, penalties, masks, τ and truncations; 0 for greedy decoding), and, when asked,
+    the model's k most likely tokens with their log p_θ."""
+    z = z[0].float()
     if k:
+        lp = torch.log_softmax(z, dim=-1)
         values, ids = torch.topk(lp, min(k, lp.shape[-1]))
-        out["top_logprobs"] = [[int(i), round(float(v), 6)] for i, v in zip(ids, values)]
-    return out
+        top = {"top_logprobs": [[int(i), round(float(v), 6)] for i, v in zip(ids, values)]}
+        model_logprob = float(lp[w])
+    else:
+        top = {}
+        model_logprob = float(z[w] - torch.logsumexp(z, dim=-1))
+    # (the drawn token has p > 0 under its kernel; a hook may have set the model's own readout of it to −∞,
+    # which JSON cannot hold: then the model's value is left out)
+    model = {"logprob": round(model_logprob, 6)} if math.isfinite(model_logprob) else {}
+    return {**model, "kernel_logprob": round(kernel_logprob, 6), **top}
 
 
 def _on_rows(fn, members: set):

@@ -80,7 +80,7 @@ class ArcState:
     trace_path: str | None = None  # where its trace is written, if anywhere
     continues: Any = None  # a state to continue from, copied into x at admission (it is not changed)
     resume: list[int] = field(default_factory=list)  # tokens to inject into a handed-over state x at admission
-    logprobs: int | None = None  # record log p_θ of each token and its k most likely alternatives (None: off)
+    logprobs: int | None = None  # record each token's k most likely alternatives and their log p_θ (None: off)
     cached_tokens: int = 0  # prompt tokens a cached state spared the prefill
 
     def __post_init__(self) -> None:
