@@ -241,6 +241,10 @@ def test_arc_report_in_chromium(real_arc, browser, tmp_path):
     opened.page.hover("#domain .jump-mark")
     tip = opened.tip()
     assert jumps[0]["tool"] in tip and jumps[0]["observation"][:20] in tip
+    # the rates in the header: the arc's own counts, L = 30 layers for SmolLM2-135M
+    header = opened.page.inner_text("dl.facts")
+    assert kinds(events, "start")[0]["layers"] == 30
+    assert f"{len(tokens)} token steps in" in header and f"{len(jumps)} jumps: " in header and "(L = 30)" in header
     # each token's probability: the model's at τ = 1 (greedy decoding: not the kernel's 1) beside the kernel's
     assert opened.count("#token-logprob .pt") == 2 * len(tokens)
     opened.page.hover("#token-text .tok[data-i='1']")

@@ -144,7 +144,8 @@ class Engine:
         s.recent = deque(maxlen=s.kernel.repeat_window)
         s.entered(s.prompt)
         s.emit("start", **s.system.describe(s), model=getattr(model, "source", "?"),
-               precision=getattr(model, "precision", "float32"), kernel=asdict(s.kernel),
+               precision=getattr(model, "precision", "float32"),
+               layers=getattr(getattr(model, "config", None), "n_layer", None), kernel=asdict(s.kernel),
                limits=asdict(s.limits), seed=s.seed, context=self.context.describe(),
                constraint=s.constraint.describe() if s.constraint is not None else None,
                control=s.controls.describe() if s.controls is not None else [], time_unix_ns=time.time_ns())

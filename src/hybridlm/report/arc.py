@@ -19,13 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridlm.engine.arc import token_logprobs
+from hybridlm.engine.arc import HybridArc, format_rates, token_logprobs
 from hybridlm.errors import InputError
 
 # The fields each known event is drawn from; any other field is listed as unknown.
 COMMON = {"event", "t", "k", "wall_s"}
 KNOWN_FIELDS = {
-    "start": {"task", "model", "kernel", "limits", "tool_choice", "constrain", "tools", "seed", "control",
+    "start": {"task", "model", "kernel", "limits", "tool_choice", "constrain", "tools", "seed", "control", "layers",
               "plant", "horizon_s"},
     "phase": {"phase", "mode", "tokens"},
     "token": {"token", "text", "phase", "p", "prob", "logprob", "kernel_logprob", "model_logprob", "entropy"},
@@ -80,6 +80,7 @@ def arc_view(events: list[dict], states=None) -> dict:
         "marks": [{"event": e["event"], "t": _num(e.get("t")), "k": _num(e.get("k")), "wall_s": _num(e.get("wall_s")),
                    "fields": _strip(e)} for e in events if e["event"] in ("batch", "context")],
         "plant": _plant(events, start),
+        "rates": _rates(events),
         "states": _states(states, sum(e["event"] == "token" for e in events)),
         "unknown": _unknown(events),
         "extra_fields": _extra_fields(events),
@@ -90,6 +91,14 @@ def arc_view(events: list[dict], states=None) -> dict:
     if end is None:
         view["problems"].append("the trace has no end event: the run did not finish (stopped or killed)")
     return _clean(view)
+
+
+def _rates(events: list[dict]) -> str | None:
+    """The arc's rates table as text (`HybridArc.rates`), or None where the events' clocks are not numbers."""
+    try:
+        return format_rates(HybridArc.from_events(events).rates())
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 def _strip(e: dict) -> dict:

@@ -410,6 +410,7 @@
       ["token steps", T.t.length], ["jumps", D.jumps.length],
       ["wall q_G / q_E", end.wall_generate_s !== undefined ? secs(end.wall_generate_s) + " / " + secs(end.wall_external_s) : undefined],
       ["wall total", D.wall_curve.length ? secs(D.wall_curve[D.wall_curve.length - 1][1]) : undefined],
+      ["rates", D.rates || undefined],
     ].concat(D.plant ? plantFacts(D.plant) : []));
     domain(section("Hybrid time domain", "domain"), D);
     wallBar(section("Wall clock", "wall"), D);
