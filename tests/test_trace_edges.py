@@ -369,10 +369,10 @@ def test_a_trace_of_an_earlier_version_is_replayed_and_read(scripted, arc_trace,
     """Written before the kernel had min-p and the repeat penalty and before token events carried
     `kernel_logprob` (their `logprob` was the kernel's: 0 under greedy decoding): it still replays, and its
     probabilities read as the kernel's, the model's unknown."""
-    from hybridlm.engine.clock import steps_of
     from hybridlm.engine.arc import HybridArc
+    from hybridlm.engine.clock import steps_of
 
-    path, events = arc_trace
+    _, events = arc_trace
     new = [e for e in events if e["event"] == "token"]
     assert all(e["kernel_logprob"] == 0.0 and "logprob" in e for e in new)  # greedy: the kernel's 1, the model's own
     old = []

@@ -105,7 +105,7 @@ class Kernel:
         Returns z itself when there is nothing to apply."""
         alpha_f, alpha_p = self.frequency_penalty, self.presence_penalty
         penalise = bool(counts) and (alpha_f != 0 or alpha_p != 0)
-        repeated = set(recent) if self.repeat_penalty != 1 else set()
+        repeated = set(recent) if self.repeat_window != 0 else set()
         if not penalise and not repeated and not self.logit_bias:
             return z
         z = z.clone()

@@ -227,19 +227,19 @@ def _inputs(rows: list[dict], time: list[float], described: dict, end: float) ->
     the commands when the trace records commands, each event's `u` otherwise; and, where a safety filter
     changed a command, what it applied."""
     names = described.get("actuators")
-    base = names if isinstance(names, list) and all(isinstance(n, str) for n in names) else "u"
+    names = names if isinstance(names, list) and all(isinstance(n, str) for n in names) else None
 
-    def parts(value) -> dict:
-        if isinstance(value, (list, tuple)) and isinstance(base, list) and len(value) == len(base):
-            value = dict(zip(base, value))
-        return _components(value, base if isinstance(base, str) else "u")
+    def parts(value) -> dict:  # a vector's components by the actuators' names when the description has them
+        if names and isinstance(value, (list, tuple)) and len(value) == len(names):
+            value = dict(zip(names, value))
+        return _components(value, "u")
 
     commands = [(t, e) for t, e in zip(time, rows) if e.get("kind") == "command" and e.get("commanded") is not None]
     if commands:
-        held = ([(min(time), parts(described["commanded"]))] if described.get("commanded") is not None else []) + \
-               [(t, parts(e["commanded"])) for t, e in commands]
-        applied = [(t, parts(e.get("applied"))) for t, e in commands]
-        corrected = [(t, a) for (t, a), (_, c) in zip(applied, held[-len(commands):]) if a and a != c]
+        first = [(min(time), parts(described["commanded"]))] if described.get("commanded") is not None else []
+        held = first + [(t, parts(e["commanded"])) for t, e in commands]
+        corrected = [(t, parts(e.get("applied"))) for t, e in commands
+                     if e.get("corrected", e.get("applied") != e["commanded"])]
     else:
         held = [(t, parts(e["u"])) for t, e in zip(time, rows) if e.get("u") is not None]
         corrected = []
