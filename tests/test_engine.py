@@ -274,3 +274,47 @@ def test_the_block_policy_equals_the_exact_one_where_contexts_coincide():
             exact = model(torch.tensor([string[: len(prompt) + t][-T:]]))[:, -1]
             assert torch.allclose(z, exact, rtol=1e-4, atol=1e-4), t
     assert coinciding >= len(cuts) and coinciding < len(seen.z)  # some steps coincide, some do not
+
+
+# ---------------------------------------------------------------------- the rates of an arc
+def test_the_rates_of_an_arc_written_out():
+    """The multi-rate table of a hand-made arc, each number computed by hand: q_G is its phases but the external
+    one, 0.5 + 1.0 + 0.2 + 1.0 s; q_E the jump's 0.25 s; prefill 0.5 + 0.2 s for 100 + 20 tokens; 20 token steps
+    over 4 layers."""
+    from hybridlm.engine.arc import format_rates
+
+    ev = [{"event": "start", "t": 0, "k": 0, "wall_s": 0.0, "layers": 4},
+          {"event": "phase", "t": 0, "k": 0, "wall_s": 0.0, "phase": "prefill", "mode": "q_G", "tokens": 100},
+          {"event": "phase", "t": 0, "k": 0, "wall_s": 0.5, "phase": "decode", "mode": "q_G"}]
+    ev += [{"event": "token", "t": i, "k": 0, "wall_s": 0.5 + 0.1 * i, "token": 7} for i in range(1, 11)]
+    ev += [{"event": "phase", "t": 10, "k": 0, "wall_s": 1.5, "phase": "external", "mode": "q_E"},
+           {"event": "jump", "t": 10, "k": 1, "wall_s": 1.8, "tool": "f", "duration_s": 0.25},
+           {"event": "phase", "t": 10, "k": 1, "wall_s": 1.8, "phase": "prefill", "mode": "q_G", "tokens": 20},
+           {"event": "phase", "t": 10, "k": 1, "wall_s": 2.0, "phase": "decode", "mode": "q_G"}]
+    ev += [{"event": "token", "t": 10 + i, "k": 1, "wall_s": 2.0 + 0.1 * i, "token": 7} for i in range(1, 11)]
+    ev.append({"event": "end", "t": 20, "k": 1, "wall_s": 3.0, "stop_reason": "stop_token"})
+    r = HybridArc.from_events(ev).rates()
+    expect = {"token_steps": 20, "jumps": 1, "layers": 4, "wall_q_G_s": 2.7, "wall_q_E_s": 0.25,
+              "token_steps_per_s": 20 / 2.7, "layer_steps_per_s": 80 / 2.7, "prefill_s": 0.7, "prefill_tokens": 120,
+              "prefill_tokens_per_s": 120 / 0.7, "decode_s": 2.0, "decode_steps_per_s": 20 / 2.0,
+              "jumps_per_token_step": 0.05, "wall_s_per_q_E_visit": 0.25}
+    assert r == pytest.approx(expect)
+    assert format_rates(r) == ("20 token steps in 2.70 s of q_G: 7.41 token steps/s, 29.6 layer steps/s (L = 4); "
+                               "prefill 0.70 s (120 tokens, 171.4 tokens/s), decode 2.00 s (10.00 steps/s); 1 jumps: "
+                               "0.050 per token step, 0.250 s per q_E visit")
+    # a supervisor's arc: the time between two decisions (a stage "end", then nothing until the next phase) is in no mode
+    # (two decisions without the external phase and the jump, 5 s apart)
+    idle = ev[:13] + [{"event": "decision", "t": 10, "k": 0, "wall_s": 1.5, "stage": "end"}] + \
+        [dict(e, wall_s=e["wall_s"] + 5.0) for e in ev[15:]]
+    assert HybridArc.from_events(idle).rates()["wall_q_G_s"] == pytest.approx(2.7)
+    none = HybridArc.from_events(ev[:3]).rates()
+    assert none["token_steps_per_s"] == 0.0 and none["jumps_per_token_step"] is None and none["layers"] == 4
+
+
+def test_the_rates_of_a_run_count_its_own_steps(toy_model):
+    prompt = [464, 3290, 318, 257, 1332, 13]
+    run = generate(toy_model, prompt, kernel=Kernel(greedy=True), max_new_tokens=9, stop_ids=[])
+    r = run.arc.rates()
+    assert (r["token_steps"], r["jumps"], r["layers"], r["prefill_tokens"]) == (9, 0, 2, len(prompt))
+    end, first = run.arc.events[-1].wall_s, run.arc.of("phase")[0].wall_s
+    assert r["prefill_s"] + r["decode_s"] == pytest.approx(end - first) and r["wall_s_per_q_E_visit"] is None

@@ -242,6 +242,21 @@ def test_arc_report_in_chromium(real_arc, browser, tmp_path):
     opened.page.hover("#domain .jump-mark")
     tip = opened.tip()
     assert jumps[0]["tool"] in tip and jumps[0]["observation"][:20] in tip
+    # the rates in the header: the arc's own counts, L = 30 layers for SmolLM2-135M
+    header = opened.page.inner_text("dl.facts")
+    assert kinds(events, "start")[0]["layers"] == 30
+    assert f"{len(tokens)} token steps in" in header and f"{len(jumps)} jumps: " in header and "(L = 30)" in header
+    # each token's probability: the model's at τ = 1 (greedy decoding: not the kernel's 1) beside the kernel's
+    assert opened.count("#token-logprob .pt") == 2 * len(tokens)
+    opened.page.hover("#token-text .tok[data-i='1']")
+    tip = opened.tip()
+    model_line = next(line for line in tip.splitlines() if line.startswith("p_θ(token), τ = 1 "))
+    assert near(model_line, math.exp(tokens[1]["logprob"])) and "kernel p(token) 1" in tip
+    assert any(e["logprob"] < -0.01 for e in tokens) and all(e["kernel_logprob"] == 0 for e in tokens)
+    low = min(range(len(tokens)), key=lambda i: tokens[i]["logprob"])  # a point away from the kernel's log 1 = 0
+    opened.point_at("#token-logprob .pt", low)  # (the model's series is drawn first)
+    tip = opened.tip()
+    assert "log p_θ(token) at τ = 1" in tip and near(tip, tokens[low]["logprob"])
     # the norm shown for a token step is the norm of its state row
     opened.point_at("#state-norm .pt", 3)
     assert near(opened.tip(), float(np.linalg.norm(states[3].astype(np.float64))))
@@ -324,6 +339,86 @@ def test_plant_trajectory_with_jump_times(browser, tmp_path):
     opened.page.close()
 
 
+def supervised_tank(tok, trace, *, cbf: bool):
+    """A supervised tank run on a plant clock set by hand, the model's decisions scripted and each of its token
+    steps taking 0.1 s of plant time (its latency): from 50 cm the valve is opened fully four times, then
+    closed, then set to 0.4; 60 s horizon. Without the filter the level leaves the band through 60 cm and comes
+    back; with it the fourth command is corrected."""
+    from hybridlm.agent.supervisor import Supervisor
+    from hybridlm.plant import ManualClock, tank
+    from tests.agent_fakes import ScriptedModel
+
+    class Slow(ScriptedModel):
+        def G(self, x):
+            clock.advance(0.1)
+            return super().G(x)
+
+    end = tok.token_str(tok.end_of_turn_id)
+    call = '<tool_call>{{"name": "set_valve", "arguments": {{"value": {}}}}}</tool_call>'.format
+    script = [piece for v in (1, 1, 1, 1, 0, 0.4, 0.4, 0.4, 0.4) for piece in (call(v), "Done." + end)]
+    clock = ManualClock()
+    plant = tank(level=50.0, clock=clock, cbf=cbf)
+    arc = Supervisor(Slow(tok, script), plant, horizon_s=60.0, period_s=10.0, tool_choice="auto").run(
+        "Keep the level between 40 and 60 cm", trace=trace)
+    return arc, plant
+
+
+@pytest.mark.parametrize("cbf", [False, True])
+def test_a_plant_run_draws_held_commands_the_band_and_time_in_band(smollm2, browser, tmp_path, cbf):
+    """Every command of a supervised run is a step of the held input (zero-order hold from its plant time to the
+    next, the last to the horizon); the state is drawn over its safe band with its unit; the header's time in
+    band and violations are the supervisor's own (the plant's safe time and crossings)."""
+    trace = tmp_path / "tank.jsonl"
+    arc, plant = supervised_tank(smollm2.tokenizer, trace, cbf=cbf)
+    events = read_trace(trace)
+    commands = [e for e in events if e["event"] == "plant" and e.get("kind") == "command"]
+    assert len(commands) == len(arc.decisions) >= 4
+    view = arc_view(events)
+    p = view["plant"]["plants"][0]
+    held = p["held"]
+    assert held["time"] == pytest.approx([0.0] + [c["plant_time"] for c in commands])
+    assert held["u"]["valve"] == pytest.approx([0.0] + [c["commanded"][0] for c in commands])
+    assert held["until"] == 60.0
+    assert p["bands"] == {"level_cm": [40.0, 60.0]} and p["units"] == {"level_cm": "cm"}
+    safe = p["safe"]
+    assert safe["in_band_s"] == pytest.approx(arc.safe_time_s, abs=1e-6)
+    assert safe["left"] == arc.violations
+    assert (arc.violations > 0) != cbf
+    leave = [c.tau for c in plant.crossings if c.direction == "leave"]
+    enter = [c.tau for c in plant.crossings if c.direction == "enter"]
+    assert [x for v in safe["violations"] for x in (v["start"], v["end"])] == pytest.approx(
+        [x for pair in zip(leave, enter) for x in pair])
+
+    out = tmp_path / "tank.html"
+    write_report(trace, out)
+    opened = open_report(browser, out)
+    assert_clean(opened, out)
+    assert opened.count("#plant-u-0 path.step") == 1
+    assert opened.count("#plant-u-0 .pt") == len(held["time"]) + len(p["applied"]["time"])
+    # the step path: a vertical segment at each command's time (in the plot's coordinates)
+    d = opened.page.get_attribute("#plant-u-0 path.step", "d")
+    import re
+    verticals = re.findall(r"H([-\d.]+)V", d)
+    assert len(verticals) == len(commands)
+    for i, c in enumerate(commands):
+        opened.point_at("#plant-u-0 .pt", i + 1)
+        tip = opened.tip()
+        assert near(tip, c["plant_time"], 1e-3) and near(tip, c["commanded"][0])
+    assert opened.count("#plant-0 rect.safe-band") == 1
+    assert opened.count("#plant-0 rect.span") == len(safe["violations"])
+    assert "safe band of level_cm: 40 … 60 cm" in opened.page.inner_text("#plant-0")
+    assert "level_cm (cm)" in opened.page.inner_text("#plant-0")
+    header = opened.page.inner_text("dl.facts")
+    assert f"{100 * arc.safe_fraction:.1f} % of 60 s of plant time" in header
+    assert f"violations\n{arc.violations}" in header
+    corrected = [c for c in commands if c["corrected"]]
+    assert p["applied"]["time"] == pytest.approx([c["plant_time"] for c in corrected])
+    assert p["applied"]["u"].get("valve", []) == pytest.approx([c["applied"][0] for c in corrected])
+    assert bool(corrected) == cbf
+    opened.shot(tmp_path / f"tank-{'cbf' if cbf else 'plain'}.png")
+    opened.page.close()
+
+
 def test_unknown_events_and_fields_are_listed(real_arc, browser, tmp_path):
     _, events, _ = real_arc
     tokens = kinds(events, "token")
@@ -351,8 +446,9 @@ def test_unknown_events_and_fields_are_listed(real_arc, browser, tmp_path):
     assert "mystery" in unknown and "novel_field" in unknown
     opened.page.hover("#token-text .tok[data-i='2']")  # t = 3
     tip = opened.tip()
-    assert f"p(token) {math.exp(-0.5):.4g}" in tip and "entropy 1.25 nats" in tip and "novel_field seen" in tip
-    assert opened.count("#colour-by option") == 3
+    assert f"p_θ(token), τ = 1 {math.exp(-0.5):.4g}" in tip and "kernel p(token) 1" in tip
+    assert "entropy 1.25 nats" in tip and "novel_field seen" in tip
+    assert opened.count("#colour-by option") == 4  # phase, probability, kernel probability, entropy
     opened.page.close()
 
 

@@ -367,6 +367,33 @@ def test_replay_of_a_finished_run_is_unchanged(scripted, arc_trace):
     assert r.exit_code == 0 and r.stdout.strip() == f"identical: {steps} token steps, 1 jumps reproduced", r.output
 
 
+def test_a_trace_of_an_earlier_version_is_replayed_and_read(scripted, arc_trace, tmp_path):
+    """Written before the kernel had min-p and the repeat penalty and before token events carried
+    `kernel_logprob` (their `logprob` was the kernel's: 0 under greedy decoding): it still replays, and its
+    probabilities read as the kernel's, the model's unknown."""
+    from hybridlm.engine.arc import HybridArc
+    from hybridlm.engine.clock import steps_of
+
+    _, events = arc_trace
+    new = [e for e in events if e["event"] == "token"]
+    assert all(e["kernel_logprob"] == 0.0 and "logprob" in e for e in new)  # greedy: the kernel's 1, the model's own
+    old = []
+    for e in events:
+        e = dict(e)
+        if e["event"] == "token":
+            e["logprob"] = e.pop("kernel_logprob")
+        if e["event"] == "start":
+            e["kernel"] = {k: v for k, v in e["kernel"].items() if k not in ("min_p", "repeat_penalty", "repeat_last_n")}
+        old.append(e)
+    earlier = tmp_path / "earlier.jsonl"
+    earlier.write_bytes(trace_bytes(old))
+    valid_events(earlier.read_bytes())
+    r = CliRunner().invoke(cli, ["trace", "replay", str(earlier)])
+    assert r.exit_code == 0 and r.stdout.startswith("identical:"), r.output
+    steps = list(steps_of(HybridArc.from_events(read_trace(earlier)).events))
+    assert len(steps) == len(new) and all(s.logprob is None and s.kernel_logprob == 0.0 for s in steps)
+
+
 def test_replay_of_a_killed_real_model_run(smollm2, monkeypatch, tmp_path):
     # the real sampler and grammar: the recorded prefix is reproduced, and the replay stops there
     from hybridlm.weights import loading

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from hybridlm.figures import save_figure
 
 
@@ -22,8 +20,7 @@ def plant_figure(arc, plant, path: str | Path) -> Path:
         top.axvspan(d.tau0, d.tau1, color="tab:orange", alpha=0.15, lw=0)
         bottom.axvspan(d.tau0, d.tau1, color="tab:orange", alpha=0.15, lw=0)
     top.plot(tau, xs[:, 0], color="tab:blue", lw=1.6, label=plant.states[0])
-    for b in plant.barriers:  # the band edges: where h = 0 along the first state
-        edge = _edge(b, xs[0])
+    for edge in plant.bounds().get(plant.states[0], []):  # the band edges: where h = 0 along the first state
         if edge is not None:
             top.axhline(edge, color="tab:red", ls="--", lw=1)
     calls = [c for d in arc.decisions for c in d.calls]
@@ -57,11 +54,3 @@ def plant_figure(arc, plant, path: str | Path) -> Path:
     fig.tight_layout()
     return save_figure(fig, path, dpi=110)
 
-
-def _edge(barrier, x0: np.ndarray) -> float | None:
-    """The value of the first state where h = 0 (barriers linear in it, as the built-ins' bands)."""
-    x = np.array(x0, dtype=float)
-    g = barrier.gradient(x)
-    if abs(g[0]) < 1e-12:
-        return None
-    return float(x[0] - barrier.h(x) / g[0])

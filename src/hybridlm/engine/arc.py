@@ -11,7 +11,8 @@ An arc is a list of `Event`s in the order they happened. The kinds:
 
 - `start`: the sequence's configuration (system, kernel, limits, seed, ...);
 - `phase`: a phase change (prefill, decode, constrained, external) and the mode q_G / q_E;
-- `token`: one token step of the flow: the token, its text, log p under the shaped kernel;
+- `token`: one token step of the flow: the token, its text, the model's log p_θ at τ = 1 and the
+  kernel's log p beside it (`token_logprobs` reads both, from traces of any version);
 - `control`: what a controller did before a token step (removed mass, shift, ...);
 - `jump`: one jump: the tool, its arguments, the observation, error and wall duration;
 - `batch`: the sequence left or joined the engine's batch (q_E: its tool runs while the
@@ -85,6 +86,30 @@ class Event:
         return self.data.get(key, default)
 
 
+def format_rates(r: dict) -> str:
+    """The rates table (`HybridArc.rates`) as one line of text."""
+    def num(v, unit="", places=2):
+        return "—" if v is None else f"{v:.{places}f}{unit}"
+
+    layers = f", {num(r['layer_steps_per_s'], '', 1)} layer steps/s (L = {r['layers']})" if r["layers"] else ""
+    return (f"{r['token_steps']} token steps in {num(r['wall_q_G_s'], ' s')} of q_G: "
+            f"{num(r['token_steps_per_s'])} token steps/s{layers}; prefill {num(r['prefill_s'], ' s')} "
+            f"({r['prefill_tokens']} tokens, {num(r['prefill_tokens_per_s'], '', 1)} tokens/s), decode "
+            f"{num(r['decode_s'], ' s')} ({num(r['decode_steps_per_s'])} steps/s); {r['jumps']} jumps: "
+            f"{num(r['jumps_per_token_step'], '', 3)} per token step, {num(r['wall_s_per_q_E_visit'], ' s', 3)} "
+            f"per q_E visit")
+
+
+def token_logprobs(event) -> tuple[float | None, float | None]:
+    """(log p_θ(w | s_t) of the model at τ = 1, log p(w | s_t) under the kernel that drew w) of a token event
+    (an Event or its dict); None where the trace did not record it. Traces written before `kernel_logprob`
+    was recorded hold the kernel's under `logprob` (0 under greedy decoding) and the model's, when it was
+    asked for, under `model_logprob`."""
+    if event.get("kernel_logprob") is not None:
+        return event.get("logprob"), event.get("kernel_logprob")
+    return event.get("model_logprob"), event.get("logprob")
+
+
 @dataclass
 class HybridArc:
     """The events of one sequence, and the cause that ended it (None while it runs)."""
@@ -137,6 +162,50 @@ class HybridArc:
             return external
         end = self.events[-1].wall_s if self.events else 0.0
         return max(0.0, end - external)
+
+    def rates(self, layers: int | None = None) -> dict:
+        """The arc's clocks against each other (the multi-rate table):
+
+        - the wall seconds of q_G: its phases (prefill, decode, constrained), each from its phase event to the
+          next phase event or to the end of its run (an `end` event, or any event with stage "end", as a
+          supervisor's decision has), so the time a supervised model waits between decisions is in no mode;
+        - token steps t per second of q_G, and layer steps L · t per second of q_G (L layers from `layers` or
+          the start event's `layers`);
+        - q_G split into prefill (its prefill phases, with the tokens they took in) and decode (the rest,
+          where the token steps are taken): decode steps/s = t / decode seconds;
+        - jumps k per token step, and wall seconds per visit of q_E (the jumps' durations, as `wall_in`).
+
+        A value whose denominator is zero is None."""
+        def ratio(a, b):
+            return a / b if b else None
+
+        start = next((e for e in self.events if e.kind == "start"), None)
+        L = layers if layers is not None else (start.get("layers") if start is not None else None)
+        L = L if isinstance(L, int) and not isinstance(L, bool) and L > 0 else None
+        steps, jumps = len(self.of("token")), len(self.of("jump"))
+        q_G = prefill_s = prefill_tokens = 0
+        opened = None  # the phase event of the interval in progress
+        for e in [*self.events, None]:
+            closes = e is None or e.kind in ("phase", "end") or e.get("stage") == "end"
+            if opened is not None and closes:
+                seconds = max((e if e is not None else self.events[-1]).wall_s - opened.wall_s, 0.0)
+                if opened.get("mode") != Mode.EXTERNAL.value and opened.get("phase") != "external":
+                    q_G += seconds
+                if opened.get("phase") == "prefill":
+                    prefill_s += seconds
+                    tokens = opened.get("tokens")
+                    prefill_tokens += tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0
+                opened = None
+            if e is not None and e.kind == "phase":
+                opened = e
+        q_E = self.wall_in(Mode.EXTERNAL)
+        decode_s = max(q_G - prefill_s, 0.0)
+        return {"token_steps": steps, "jumps": jumps, "layers": L, "wall_q_G_s": q_G, "wall_q_E_s": q_E,
+                "token_steps_per_s": ratio(steps, q_G), "layer_steps_per_s": ratio(L * steps, q_G) if L else None,
+                "prefill_s": prefill_s, "prefill_tokens": prefill_tokens,
+                "prefill_tokens_per_s": ratio(prefill_tokens, prefill_s), "decode_s": decode_s,
+                "decode_steps_per_s": ratio(steps, decode_s), "jumps_per_token_step": ratio(jumps, steps),
+                "wall_s_per_q_E_visit": ratio(q_E, jumps)}
 
     # ------------------------------------------------------------------ files
     def lines(self) -> Iterator[str]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridlm.engine.arc import HybridArc, Termination
+from hybridlm.engine.arc import HybridArc, Termination, token_logprobs
 from hybridlm.engine.engine import Engine
 from hybridlm.engine.inputs import ControlLoop
 from hybridlm.engine.prefill import ContextPolicy
@@ -40,7 +40,8 @@ class TokenStep:
 
     t: int  # token step (1 for the first generated token)
     token: int  # w_t
-    logprob: float  # log p_θ(w_t | s_{t−1}) under the shaped kernel (0 for greedy)
+    logprob: float | None  # log p_θ(w_t | s_{t−1}) of the model at τ = 1, before any input
+    kernel_logprob: float | None  # log p(w_t | s_{t−1}) under the kernel that drew w_t (0 for greedy)
     n: int  # |s_t|, the context length after the step
     rebuilt: bool  # the context horizon forced a rebuild of the state at this step
     stop: bool  # w_t is a stop token
@@ -124,8 +125,10 @@ def steps_of(events) -> Iterator[TokenStep]:
         if e.kind == "control":
             control.append(dict(e.data))
         elif e.kind == "token":
-            yield TokenStep(t=e.t, token=e["token"], logprob=e["logprob"], n=e["n"], rebuilt=e["rebuilt"],
-                            stop=e["stop"], wall_s=e.wall_s, control=tuple(control))
+            logprob, kernel_logprob = token_logprobs(e)
+            yield TokenStep(t=e.t, token=e["token"], logprob=logprob, kernel_logprob=kernel_logprob, n=e.get("n"),
+                            rebuilt=e.get("rebuilt", False), stop=e.get("stop", False), wall_s=e.wall_s,
+                            control=tuple(control))
             control = []
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import math
 import threading
 import time
 from collections import deque
@@ -159,8 +160,11 @@ class Engine:
         model = self.model
         s.started = time.perf_counter()
         s.generator = torch.Generator(device=_device(model)).manual_seed(s.seed)
+        s.recent = deque(maxlen=s.kernel.repeat_window)
+        s.entered(s.prompt)
         s.emit("start", **s.system.describe(s), model=getattr(model, "source", "?"),
-               precision=getattr(model, "precision", "float32"), kernel=asdict(s.kernel),
+               precision=getattr(model, "precision", "float32"),
+               layers=getattr(getattr(model, "config", None), "n_layer", None), kernel=asdict(s.kernel),
                limits=asdict(s.limits), seed=s.seed, context=self.context.describe(),
                constraint=s.constraint.describe() if s.constraint is not None else None,
                control=s.controls.describe() if s.controls is not None else [], time_unix_ns=time.time_ns())
@@ -289,6 +293,7 @@ class Engine:
                     if inject(self.model, s.x, tokens, policy=self.context):
                         s.rebuilds += 1
                         s.emit("context", policy=self.context.describe(), n=s.x.n if hasattr(s.x, "n") else None)
+                s.entered(tokens)
                 if s.controls is not None:
                     s.controls.observe(tokens)
             except Exception as exc:  # noqa: BLE001 - a fault of one sequence ends its arc, not the step
@@ -312,12 +317,12 @@ class Engine:
         draws, records = [], []
         for s in list(batch):
             try:
-                w, logprob, recs, seen = self._draw(s)
+                w, kernel_logprob, recs, z = self._draw(s)
             except Exception as exc:  # noqa: BLE001 - a fault of one sequence ends its arc, not the step
                 batch.remove(s)
                 self._fail(s, exc)
                 continue
-            draws.append((w, logprob, seen))
+            draws.append((w, kernel_logprob, z))
             records.append(recs)
         if not batch:
             return
@@ -334,12 +339,13 @@ class Engine:
         self.stats.steps += 1
         self.stats.rows += len(batch)
         self.stats.tokens += len(batch)
-        for s, (w, logprob, seen), recs, before in zip(batch, draws, records, rebuilds):
+        for s, (w, kernel_logprob, z), recs, before in zip(batch, draws, records, rebuilds):
             s.t += 1
             for rec in recs:
                 s.emit("control", **rec)
             s.generated.append(w)
             s.counts[w] = s.counts.get(w, 0) + 1
+            s.entered((w,))
             s.turn.append(w)
             if s.constraint is not None:
                 s.constraint.advance(w)
@@ -347,8 +353,8 @@ class Engine:
                 s.controls.advance(w)
             rebuilt = getattr(s.x, "rebuilds", 0) > before
             s.rebuilds += rebuilt
-            s.emit("token", token=w, text=_text(model, w), logprob=round(logprob, 6), n=getattr(s.x, "n", None),
-                   rebuilt=rebuilt, stop=w in s.stop_ids, phase=s.phase, **_model_logprobs(seen, w, s.logprobs))
+            s.emit("token", token=w, text=_text(model, w), **_logprobs(z, w, kernel_logprob, s.logprobs),
+                   n=getattr(s.x, "n", None), rebuilt=rebuilt, stop=w in s.stop_ids, phase=s.phase)
             try:
                 s.system.flowed(s, w)
                 phase = s.system.phase_of(s)
@@ -359,13 +365,12 @@ class Engine:
                 s.enter_phase(phase)
         self.stats.wall_flow_s += time.perf_counter() - t0
 
-    def _draw(self, s: ArcState) -> tuple[int, float, list[dict], torch.Tensor | None]:
-        """w_{t+1} ~ p_θ,u(· | s_t) for one row: its readout, its kernel's penalties and bias, its masks and
-        controllers, its kernel.
-        The last item is the readout z_t before any input, when the sequence records log p_θ."""
-        z = self.model.G(s.x)
-        seen = z if s.logprobs is not None else None
-        z = s.kernel.penalised(z, s.counts)
+    def _draw(self, s: ArcState) -> tuple[int, float, list[dict], torch.Tensor]:
+        """w_{t+1} ~ p_θ,u(· | s_t) for one row: its readout, its kernel's bias and penalties, its masks and
+        controllers, its kernel (the order of `hybridlm.engine.sampling`). Returns w, log p_θ,u(w | s_t) under
+        the kernel that drew it, what the controllers did, and the readout z_t before any input."""
+        readout = z = self.model.G(s.x)
+        z = s.kernel.penalised(z, s.counts, s.recent)
         masks = [m for m in (s.constraint.mask() if s.constraint is not None else None, s.system.flow_mask(s))
                  if m is not None]
         for m in masks:
@@ -377,7 +382,7 @@ class Engine:
         if masks and not bool(torch.isfinite(z).any()):
             raise InputError(f"token step {s.t + 1}: no token is allowed (every logit is masked)")
         w, logprob = s.kernel.sample_with_logprob(z, s.generator)
-        return int(w[0]), float(logprob[0]), recs, seen
+        return int(w[0]), float(logprob[0]), recs, readout
 
     def _keep_forks(self, batch: list[ArcState]) -> None:
         """A state may carry the fork of its successors a barrier computed (the step then adopts the
@@ -420,17 +425,24 @@ class Engine:
                 ctx.rows = None
 
 
-def _model_logprobs(z: torch.Tensor | None, w: int, k: int | None) -> dict:
-    """log p_θ(w | s_t) under the model's own kernel (τ = 1, no input) and its k most likely
-    tokens, for the token event; {} when not recorded."""
-    if z is None:
-        return {}
-    lp = torch.log_softmax(z[0].float(), dim=-1)
-    out: dict = {"model_logprob": round(float(lp[w]), 6)}
+def _logprobs(z: torch.Tensor, w: int, kernel_logprob: float, k: int | None) -> dict:
+    """The token event's probabilities: `logprob` = log p_θ(w | s_t) of the model itself (τ = 1, the readout
+    before any input: what the model thought of w, whatever drew it), `kernel_logprob` = log p of w under the
+    kernel that drew it (bias, penalties, masks, τ and truncations; 0 for greedy decoding), and, when asked,
+    the model's k most likely tokens with their log p_θ."""
+    z = z[0].float()
     if k:
+        lp = torch.log_softmax(z, dim=-1)
         values, ids = torch.topk(lp, min(k, lp.shape[-1]))
-        out["top_logprobs"] = [[int(i), round(float(v), 6)] for i, v in zip(ids, values)]
-    return out
+        top = {"top_logprobs": [[int(i), round(float(v), 6)] for i, v in zip(ids, values)]}
+        model_logprob = float(lp[w])
+    else:
+        top = {}
+        model_logprob = float(z[w] - torch.logsumexp(z, dim=-1))
+    # (the drawn token has p > 0 under its kernel; a hook may have set the model's own readout of it to −∞,
+    # which JSON cannot hold: then the model's value is left out)
+    model = {"logprob": round(model_logprob, 6)} if math.isfinite(model_logprob) else {}
+    return {**model, "kernel_logprob": round(kernel_logprob, 6), **top}
 
 
 def _on_rows(fn, members: set):

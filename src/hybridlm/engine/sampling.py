@@ -2,24 +2,38 @@
 
     p_θ(v | s_t) = exp(z_v/τ) / Σ_u exp(z_u/τ),   τ > 0.
 
-Greedy decoding is the limit τ → 0 (argmax, ties to the lowest id). Top-k keeps the k
-largest logits; top-p (nucleus) keeps the smallest set of most likely tokens whose mass
-reaches p. Sampling draws from a seeded `torch.Generator`, so a seed fixes the run.
+Greedy decoding is the limit τ → 0 (argmax, ties to the lowest id). Sampling draws from a
+seeded `torch.Generator`, so a seed fixes the run.
 
-OpenAI's penalties and logit bias are an additive input on the logits that depends on what
-the sequence has emitted, applied before any mask and before τ:
+The kernel's inputs act on the readout z_t in one fixed order:
 
-    z_t(v) ↦ z_t(v) + b(v) − α_f · c_t(v) − α_p · 1[c_t(v) > 0]
+1. logit bias b and penalties, which depend on what the context holds (`penalised`):
 
-with c_t(v) the number of times the sequence has generated v (injected observations and the
-prompt do not count), α_f the frequency penalty, α_p the presence penalty and b the logit
-bias. All zero (the default), z is untouched.
+       z ↦ z + b
+       z(v) ↦ z(v)/ρ if z(v) > 0, z(v)·ρ otherwise,   for v in the last n tokens of the context
+       z(v) ↦ z(v) − α_f · c_t(v) − α_p · 1[c_t(v) > 0]
+
+   ρ is the repeat penalty (llama.cpp's `repeat_penalty` over its last `repeat_last_n = n` tokens
+   of prompt and output; n = −1 is the whole context, vLLM's and transformers' `repetition_penalty`);
+   c_t(v) counts the times the sequence generated v (OpenAI's frequency and presence penalties:
+   injected observations and the prompt do not count), α_f and α_p their weights. Bias before
+   penalties, and ρ before α_f, α_p, is the order of llama.cpp's sampler chain and of vLLM's;
+2. the hard inputs (a constraint's mask, the controllers' inputs; the engine applies them);
+3. the temperature τ, then the truncations on z/τ: top-k (the k largest), top-p (the smallest
+   set of most likely tokens whose mass reaches p), min-p (the tokens with p(v) ≥ m · max_u p(u)),
+   each on what the one before kept — transformers' order; vLLM takes min-p first, llama.cpp takes
+   all three before τ. Truncating after τ means top-p and min-p see the distribution that is
+   sampled, as OpenAI's and vLLM's top-p does (this kernel's top-p always has); at τ = 1 the chain
+   is llama.cpp's default one.
+
+Every truncation keeps the most likely token, so greedy decoding (the argmax after step 2) is the
+same whatever k, p and m are. All inputs at their defaults leave z untouched.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -43,12 +57,15 @@ def draw(p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Ten
 @dataclass(frozen=True)
 class Kernel:
     temperature: float = 1.0
-    top_k: int | None = None
+    top_k: int | None = None  # None or 0: no top-k
     top_p: float | None = None
     greedy: bool = False
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; a mapping is accepted
+    min_p: float = 0.0  # 0: no min-p
+    repeat_penalty: float = 1.0  # ρ; 1: none
+    repeat_last_n: int = 64  # the repeat penalty's window: the last n tokens of the context (−1: all, 0: none)
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -56,22 +73,40 @@ class Kernel:
             raise InputError(
                 f"temperature τ={t!r}: expected a finite number > 0 (for τ → 0 use greedy decoding)"
             )
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
-            raise InputError(f"top-k={self.top_k!r}: expected an integer ≥ 1")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0):
+            raise InputError(f"top-k={self.top_k!r}: expected an integer ≥ 1 (0: no top-k)")
+        if self.top_k == 0:
+            object.__setattr__(self, "top_k", None)
         if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise InputError(f"top-p={self.top_p!r}: expected a number in (0, 1]")
-        for name in ("frequency_penalty", "presence_penalty"):
+        for name in ("frequency_penalty", "presence_penalty", "min_p", "repeat_penalty"):
             a = getattr(self, name)
             if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a):
                 raise InputError(f"{name.replace('_', ' ')} {a!r}: expected a finite number")
+        if not 0 <= self.min_p <= 1:
+            raise InputError(f"min-p={self.min_p!r}: expected a number in [0, 1] (0: no min-p)")
+        if self.repeat_penalty <= 0:
+            raise InputError(f"repeat penalty {self.repeat_penalty!r}: expected a number > 0 (1: none)")
+        n = self.repeat_last_n
+        if isinstance(n, bool) or not isinstance(n, int) or n < -1:
+            raise InputError(f"repeat last n {n!r}: expected an integer ≥ 0, or −1 for the whole context")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
-    def penalised(self, z: torch.Tensor, counts: Mapping[int, int]) -> torch.Tensor:
-        """z + b − α_f·c − α_p·1[c > 0] (the module's equation); z [..., V], counts {token: c(token)}.
-        Returns z itself when there is nothing to add."""
+    @property
+    def repeat_window(self) -> int | None:
+        """How many of the context's last tokens the repeat penalty reads: None for all of them, 0 when it is off."""
+        if self.repeat_penalty == 1 or self.repeat_last_n == 0:
+            return 0
+        return None if self.repeat_last_n == -1 else self.repeat_last_n
+
+    def penalised(self, z: torch.Tensor, counts: Mapping[int, int], recent: Iterable[int] = ()) -> torch.Tensor:
+        """Step 1 of the module's order: bias, repeat penalty, frequency and presence penalties. z [..., V];
+        counts {token: c(token)}; recent: the tokens of the repeat window (the context's last n).
+        Returns z itself when there is nothing to apply."""
         alpha_f, alpha_p = self.frequency_penalty, self.presence_penalty
         penalise = bool(counts) and (alpha_f != 0 or alpha_p != 0)
-        if not penalise and not self.logit_bias:
+        repeated = set(recent) if self.repeat_window != 0 else set()
+        if not penalise and not repeated and not self.logit_bias:
             return z
         z = z.clone()
         vocab = z.shape[-1]
@@ -80,6 +115,10 @@ class Kernel:
             if ids[-1] >= vocab:
                 raise InputError(f"logit bias for token {ids[-1]}: expected a token id < {vocab} (the vocabulary)")
             z[..., ids] += torch.tensor([b for _, b in self.logit_bias], dtype=z.dtype, device=z.device)
+        if repeated:
+            ids = sorted(v for v in repeated if 0 <= v < vocab)
+            seen = z[..., ids]
+            z[..., ids] = torch.where(seen > 0, seen / self.repeat_penalty, seen * self.repeat_penalty)
         if penalise:
             ids = [v for v in counts if v < vocab]
             c = torch.tensor([counts[v] for v in ids], dtype=z.dtype, device=z.device)
@@ -87,7 +126,8 @@ class Kernel:
         return z
 
     def shaped_logits(self, z: torch.Tensor) -> torch.Tensor:
-        """z/τ with the tokens outside the top-k / top-p sets at −∞. z: [..., V]."""
+        """Step 3 of the module's order: z/τ with the tokens outside the top-k, top-p and min-p sets at −∞.
+        z: [..., V]."""
         z = z.float() / self.temperature
         if self.top_k is not None and self.top_k < z.shape[-1]:
             kth = torch.topk(z, self.top_k, dim=-1).values[..., -1:]
@@ -98,6 +138,8 @@ class Kernel:
             drop_sorted = mass_before >= self.top_p  # keep a token while the mass before it is < p
             drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
             z = z.masked_fill(drop, float("-inf"))
+        if self.min_p > 0:  # p(v) ≥ m · max p  ⇔  z(v)/τ ≥ max z/τ + log m (the set kept so far has the same max)
+            z = z.masked_fill(z < z.amax(dim=-1, keepdim=True) + math.log(self.min_p), float("-inf"))
         return z
 
     def probs(self, z: torch.Tensor) -> torch.Tensor:
@@ -129,11 +171,17 @@ class Kernel:
             parts.append(f"top-k={self.top_k}")
         if self.top_p is not None:
             parts.append(f"top-p={self.top_p:g}")
+        if self.min_p:
+            parts.append(f"min-p={self.min_p:g}")
         return ", ".join(parts + self._inputs())
 
     def _inputs(self) -> list[str]:
-        parts = [f"{name} penalty {a:g}" for name, a in (("frequency", self.frequency_penalty),
-                                                         ("presence", self.presence_penalty)) if a]
+        parts = []
+        if self.repeat_window != 0:
+            window = "the context" if self.repeat_window is None else f"the last {self.repeat_window} tokens"
+            parts.append(f"repeat penalty {self.repeat_penalty:g} over {window}")
+        parts += [f"{name} penalty {a:g}" for name, a in (("frequency", self.frequency_penalty),
+                                                          ("presence", self.presence_penalty)) if a]
         if self.logit_bias:
             parts.append(f"logit bias on {len(self.logit_bias)} token{'s' if len(self.logit_bias) > 1 else ''}")
         return parts

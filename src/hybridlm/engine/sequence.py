@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,7 @@ class ArcState:
     turn: list[int] = field(default_factory=list)  # tokens emitted since the last jump (or the start)
     generated: list[int] = field(default_factory=list)  # every emitted token
     counts: dict[int, int] = field(default_factory=dict)  # c_t(v): how often each token was emitted
+    recent: deque = field(default_factory=deque)  # the repeat penalty's window: the context's last n tokens
     messages: list[dict] = field(default_factory=list)
     phase: str = "prefill"
     finished: Termination | bool = False  # False while the flow may go on, else the cause it ended with
@@ -78,7 +80,7 @@ class ArcState:
     trace_path: str | None = None  # where its trace is written, if anywhere
     continues: Any = None  # a state to continue from, copied into x at admission (it is not changed)
     resume: list[int] = field(default_factory=list)  # tokens to inject into a handed-over state x at admission
-    logprobs: int | None = None  # record log p_θ of each token and its k most likely alternatives (None: off)
+    logprobs: int | None = None  # record each token's k most likely alternatives and their log p_θ (None: off)
     cached_tokens: int = 0  # prompt tokens a cached state spared the prefill
 
     def __post_init__(self) -> None:
@@ -111,6 +113,11 @@ class ArcState:
             if hooks is not None:
                 pairs += hooks(model)
         return pairs
+
+    def entered(self, tokens) -> None:
+        """Tokens joined the context (the prompt, an observation, an emitted token): the repeat window
+        moves on (at admission it is sized by the kernel's `repeat_window`)."""
+        self.recent.extend(tokens)
 
     def count_jump(self) -> None:
         """k ← k + 1 for a jump at this token step."""

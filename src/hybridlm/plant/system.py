@@ -83,13 +83,18 @@ class Plant:
                  actuators: Sequence[Actuator], sensors: Sequence[Sensor], barriers: Sequence[Barrier] = (),
                  u0: Sequence[float] | None = None, clock: WallClock | ManualClock | None = None,
                  cbf: bool = False, gamma: float = 0.5, rtol: float = 1e-9, atol: float = 1e-9,
-                 max_step: float = math.inf, description: str = "") -> None:
+                 max_step: float = math.inf, description: str = "", units: Sequence[str] | None = None) -> None:
         self.name, self.f, self.description = name, f, description
         self.states = list(states)
         self.x = np.asarray(x0, dtype=float)
         if self.x.shape != (len(self.states),):
             raise InputError(f"plant {name}: x0 has shape {self.x.shape}; expected ({len(self.states)},) for {states}")
         self.actuators, self.sensors, self.barriers = list(actuators), list(sensors), list(barriers)
+        # each state's unit: given, or that of the sensor that reads it under its name
+        by_sensor = {s.name: s.unit for s in self.sensors}
+        self.units = list(units) if units is not None else [by_sensor.get(n, "") for n in self.states]
+        if len(self.units) != len(self.states):
+            raise InputError(f"plant {name}: {len(self.units)} units for {len(self.states)} states {self.states}")
         if not self.actuators:
             raise InputError(f"plant {name}: expected at least one actuator")
         self.low = np.array([a.low for a in self.actuators], dtype=float)
@@ -282,8 +287,33 @@ class Plant:
                 return seg.solution(tau)
         return self.segments[0].x0 if self.segments and tau < self.segments[0].t0 else self.x
 
+    def bounds(self) -> dict[str, list[float | None]]:
+        """The safe set as bounds on single states, {state: [low, high]} (None where unbounded), from the
+        barriers that are affine in one state (h = ±(x_i − edge), as the built-ins' bands are); barriers of
+        another shape bound no single state and are left out."""
+        out: dict[str, list[float | None]] = {}
+        x = self.x.astype(float)
+        for b in self.barriers:
+            g = b.gradient(x)
+            axes = np.flatnonzero(np.abs(g) > 1e-12)
+            if len(axes) != 1:
+                continue
+            i = int(axes[0])
+            edge = float(x[i] - b.h(x) / g[i])
+            probe = x.copy()
+            probe[i] = edge + 1.0
+            if not math.isclose(b.h(probe), g[i], rel_tol=1e-6, abs_tol=1e-9):  # not affine along x_i
+                continue
+            low, high = out.setdefault(self.states[i], [None, None])
+            out[self.states[i]] = [edge if g[i] > 0 else low, edge if g[i] < 0 else high]
+        return out
+
     def describe(self) -> dict:
-        return {"plant": self.name, "states": self.states, "actuators": [a.name for a in self.actuators],
+        return {"plant": self.name, "states": self.states, "units": dict(zip(self.states, self.units)),
+                "bands": self.bounds(),
+                "actuators": [a.name for a in self.actuators],
+                "inputs": {a.name: {"low": a.low, "high": a.high, "unit": a.unit} for a in self.actuators},
+                "commanded": self.u.tolist(),  # the command held now (before the first: the initial input)
                 "sensors": [s.name for s in self.sensors], "barriers": [b.name for b in self.barriers],
                 "cbf": None if self.filter is None else {"gamma": self.filter.gamma},
                 **self.clock.describe()}

@@ -19,20 +19,23 @@ from pathlib import Path
 
 import numpy as np
 
+from hybridlm.engine.arc import HybridArc, format_rates, token_logprobs
 from hybridlm.errors import InputError
 
 # The fields each known event is drawn from; any other field is listed as unknown.
 COMMON = {"event", "t", "k", "wall_s"}
 KNOWN_FIELDS = {
-    "start": {"task", "model", "kernel", "limits", "tool_choice", "constrain", "tools", "seed", "control"},
+    "start": {"task", "model", "kernel", "limits", "tool_choice", "constrain", "tools", "seed", "control", "layers",
+              "plant", "horizon_s"},
     "phase": {"phase", "mode", "tokens"},
-    "token": {"token", "text", "phase", "p", "prob", "logprob", "entropy"},
+    "token": {"token", "text", "phase", "p", "prob", "logprob", "kernel_logprob", "model_logprob", "entropy"},
     "control": {"controller", "removed_mass", "removed_tokens", "shift", "no_safe_token", "action"},
     "jump": {"tool", "arguments", "observation", "error", "duration_s"},
     "end": {"answer", "stop_reason", "token_steps", "jumps", "wall_generate_s", "wall_external_s"},
     "batch": set(),  # drawn as marks; every field is shown with them
     "context": set(),
-    "plant": {"plant", "name", "plant_t", "plant_time", "time", "state", "x", "u"},
+    "plant": {"plant", "name", "plant_t", "plant_time", "time", "state", "x", "u", "kind", "commanded", "applied",
+              "h", "direction", "barrier"},
 }
 PLANT_TIME = ("plant_t", "plant_time", "time")
 EXAMPLES = 3  # raw lines shown per unknown event kind
@@ -76,7 +79,8 @@ def arc_view(events: list[dict], states=None) -> dict:
         "wall_curve": _wall_curve(events),
         "marks": [{"event": e["event"], "t": _num(e.get("t")), "k": _num(e.get("k")), "wall_s": _num(e.get("wall_s")),
                    "fields": _strip(e)} for e in events if e["event"] in ("batch", "context")],
-        "plant": _plant(events),
+        "plant": _plant(events, start),
+        "rates": _rates(events),
         "states": _states(states, sum(e["event"] == "token" for e in events)),
         "unknown": _unknown(events),
         "extra_fields": _extra_fields(events),
@@ -87,6 +91,14 @@ def arc_view(events: list[dict], states=None) -> dict:
     if end is None:
         view["problems"].append("the trace has no end event: the run did not finish (stopped or killed)")
     return _clean(view)
+
+
+def _rates(events: list[dict]) -> str | None:
+    """The arc's rates table as text (`HybridArc.rates`), or None where the events' clocks are not numbers."""
+    try:
+        return format_rates(HybridArc.from_events(events).rates())
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 def _strip(e: dict) -> dict:
@@ -111,9 +123,10 @@ def _phases(events: list[dict]) -> list[dict]:
 
 
 def _tokens(events: list[dict]) -> dict:
-    """The token steps as columns; the probability of the sampled token and the entropy when recorded."""
-    cols: dict[str, list] = {"t": [], "k": [], "wall": [], "phase": [], "text": [], "id": [], "p": [], "entropy": [],
-                             "extra": []}
+    """The token steps as columns; the probability of the sampled token under the model at τ = 1 (`p`) and under
+    the kernel that drew it (`kernel_p`), and the entropy, when recorded."""
+    cols: dict[str, list] = {"t": [], "k": [], "wall": [], "phase": [], "text": [], "id": [], "p": [], "kernel_p": [],
+                             "entropy": [], "extra": []}
     phase = "decode"
     for e in events:
         if e["event"] == "phase":
@@ -127,17 +140,23 @@ def _tokens(events: list[dict]) -> dict:
         text = e.get("text")
         cols["text"].append(text if isinstance(text, str) else "" if text is None else json.dumps(text, default=str))
         cols["id"].append(e.get("token"))
-        p = next((e[f] for f in ("p", "prob") if isinstance(e.get(f), (int, float))), None)
-        if p is None and isinstance(e.get("logprob"), (int, float)):
-            p = math.exp(e["logprob"])
-        cols["p"].append(p)
+        model, kernel = (_exp(v) for v in token_logprobs(e))
+        cols["p"].append(next((e[f] for f in ("p", "prob") if isinstance(e.get(f), (int, float))), model))
+        cols["kernel_p"].append(kernel)
         cols["entropy"].append(e.get("entropy") if isinstance(e.get("entropy"), (int, float)) else None)
         extra = {k: v for k, v in e.items() if k not in COMMON | KNOWN_FIELDS["token"]}
         cols["extra"].append(extra or None)
-    for name in ("p", "entropy", "extra"):
+    for name in ("p", "kernel_p", "entropy", "extra"):
         if all(v is None for v in cols[name]):
             cols[name] = None
     return cols
+
+
+def _exp(logp) -> float | None:
+    """p from a recorded log p (None where it is missing or not a finite number)."""
+    if isinstance(logp, bool) or not isinstance(logp, (int, float)) or not math.isfinite(logp):
+        return None
+    return math.exp(min(logp, 0.0))
 
 
 def _jump(e: dict) -> dict:
@@ -158,37 +177,107 @@ def _wall_curve(events: list[dict]) -> list[list]:
     return out
 
 
-def _plant(events: list[dict]) -> dict | None:
-    """A plant's trajectory: state (and input) components against plant time, with the jump times.
+def _plant(events: list[dict], start: dict | None) -> dict | None:
+    """A plant's trajectory: state components against plant time, the input as held steps, the jump times, and,
+    when the safe set is known, its band on each state and the time in it.
 
-    A `plant` event carries the plant time (`plant_t`; wall time when absent) and the state
-    `state` (a list, a {name: value} object, or a number), optionally the input `u`;
-    several plants are told apart by `plant` (or `name`). A jump's plant time is its own
-    `plant_t` when it has one, else its wall time mapped through the plant events'
-    (wall_s, plant time) pairs.
+    A `plant` event carries the plant time (`plant_t` or `plant_time`; wall time when absent), the state
+    `state` (a list, a {name: value} object, or a number) and what it knows of the input: a command (`kind`
+    "command", `commanded` the command held from then on, `applied` what reached the plant through a safety
+    filter) or a sample's `u`. Several plants are told apart by `plant` (or `name`). The start event's `plant`
+    description (`Plant.describe()`) gives the units, the bands, the actuators' names and the command held
+    before the first one. A jump's plant time is its own `plant_t` when it has one, else its wall time
+    mapped through the plant events' (wall_s, plant time) pairs.
     """
     rows = [e for e in events if e["event"] == "plant"]
     if not rows:
         return None
+    described = (start or {}).get("plant")
+    described = described if isinstance(described, dict) else {}
     by_name: dict[str, list[dict]] = {}
     for e in rows:
         by_name.setdefault(str(e.get("plant") or e.get("name") or "plant"), []).append(e)
     jumps = [e for e in events if e["event"] == "jump"]
+    horizon = (start or {}).get("horizon_s")
     plants = []
     for name, rs in by_name.items():
         time = [_num(next((e[f] for f in PLANT_TIME if isinstance(e.get(f), (int, float))), e.get("wall_s")))
                 for e in rs]
         wall = [_num(e.get("wall_s")) for e in rs]
         state = [_components(e.get("state", e.get("x")), "x") for e in rs]
-        u = [_components(e.get("u"), "u") for e in rs]
+        end = max(time + ([_num(horizon)] if isinstance(horizon, (int, float)) else []))
         plants.append({
-            "name": name, "time": time,
-            "state": _series(state), "u": _series(u),
+            "name": name, "time": time, "state": _series(state),
+            "units": _mapping(described.get("units")), "bands": _mapping(described.get("bands")),
+            **_inputs(rs, time, described, end),
+            "safe": _safe_time(rs, time, end),
             "jumps": [{"k": e.get("k"), "tool": e.get("tool"),
                        "time": _num(e["plant_t"]) if isinstance(e.get("plant_t"), (int, float))
                        else float(np.interp(_num(e.get("wall_s")), wall, time))} for e in jumps],
         })
     return {"plants": plants}
+
+
+def _mapping(value) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _inputs(rows: list[dict], time: list[float], described: dict, end: float) -> dict:
+    """The input u as held steps (zero-order hold: each value holds until the next, the last until `end`):
+    the commands when the trace records commands, each event's `u` otherwise; and, where a safety filter
+    changed a command, what it applied."""
+    names = described.get("actuators")
+    names = names if isinstance(names, list) and all(isinstance(n, str) for n in names) else None
+
+    def parts(value) -> dict:  # a vector's components by the actuators' names when the description has them
+        if names and isinstance(value, (list, tuple)) and len(value) == len(names):
+            value = dict(zip(names, value))
+        return _components(value, "u")
+
+    commands = [(t, e) for t, e in zip(time, rows) if e.get("kind") == "command" and e.get("commanded") is not None]
+    if commands:
+        first = [(min(time), parts(described["commanded"]))] if described.get("commanded") is not None else []
+        held = first + [(t, parts(e["commanded"])) for t, e in commands]
+        corrected = [(t, parts(e.get("applied"))) for t, e in commands
+                     if e.get("corrected", e.get("applied") != e["commanded"])]
+    else:
+        held = [(t, parts(e["u"])) for t, e in zip(time, rows) if e.get("u") is not None]
+        corrected = []
+    held = [(t, v) for t, v in held if v]
+    return {"held": {"time": [t for t, _ in held], "u": _series([v for _, v in held]), "until": end},
+            "applied": {"time": [t for t, _ in corrected], "u": _series([v for _, v in corrected])}}
+
+
+def _safe_time(rows: list[dict], time: list[float], end: float) -> dict | None:
+    """Time inside the safe set and the violations, from the located crossings of its boundary (`kind`
+    "crossing", `direction` leave/enter) and the barrier values `h` of the first event that has them: a
+    violation runs from a leave to the enter that brings every barrier back to h ≥ 0 (or to `end`)."""
+    first = next(((t, e["h"]) for t, e in zip(time, rows) if isinstance(e.get("h"), dict)), None)
+    crossings = sorted((t, e["direction"]) for t, e in zip(time, rows)
+                       if e.get("kind") == "crossing" and e.get("direction") in ("leave", "enter"))
+    if first is None and not crossings:
+        return None
+    t0 = first[0] if first is not None else min(time)
+    outside = sum(1 for h in first[1].values() if isinstance(h, (int, float)) and h < 0) if first else 0
+    violations: list[dict] = []  # each: start, end, and whether a crossing began it (not the initial state)
+    if outside:
+        violations.append({"start": t0, "end": None, "left": False})
+    for t, direction in crossings:
+        if not t0 <= t <= end:
+            continue
+        was = outside
+        outside = outside + 1 if direction == "leave" else max(outside - 1, 0)
+        if outside and not was:
+            violations.append({"start": t, "end": None, "left": True})
+        elif was and not outside:
+            violations[-1]["end"] = t
+    for v in violations:
+        v["end"] = end if v["end"] is None else v["end"]
+        v["duration_s"] = v["end"] - v["start"]
+    span = max(end - t0, 0.0)
+    in_band = span - sum(v["duration_s"] for v in violations)
+    return {"from": t0, "to": end, "in_band_s": in_band, "fraction": in_band / span if span else None,
+            "violations": violations, "left": sum(v["left"] for v in violations)}
 
 
 def _series(rows: list[dict]) -> dict[str, list]:

@@ -175,7 +175,9 @@
 
   // ------------------------------------------------------------------ the generic chart
   // spec: {id, title, xlabel, ylabel, xlog, ylog, ymin0, logToggle, height,
-  //        series: [{name, x, y, lo, hi, labels, color, marks, line, hover}], vlines: [{x, label}], hlines: [{y, label}]}
+  //        series: [{name, x, y, lo, hi, labels, color, marks, line, hover, step, until}], vlines: [{x, label}],
+  //        hlines: [{y, label}], bands: [{lo, hi, label}], spans: [{x0, x1, label}]}
+  // A series with `step` is drawn as held steps (each value holds until the next x, the last until `until`).
   function chart(parent, spec) {
     var fig = h("figure", { class: "chart", id: spec.id }, parent);
     if (spec.title) h("figcaption", {}, fig, spec.title);
@@ -199,11 +201,12 @@
     var svg = s("svg", { viewBox: "0 0 " + W + " " + H, class: "plot" }, holder);
     var xs = [], ys = [];
     spec.series.forEach(function (se) {
-      xs = xs.concat(se.x);
+      xs = xs.concat(se.x, se.step && isNum(se.until) ? [se.until] : []);
       ys = ys.concat(se.y, se.lo || [], se.hi || []);
     });
     (spec.vlines || []).forEach(function (v) { xs.push(v.x); });
     (spec.hlines || []).forEach(function (v) { ys.push(v.y); });
+    (spec.bands || []).forEach(function (b) { ys.push(b.lo, b.hi); });
     var xe = extent(xs, spec.xlog, false), ye = extent(ys, logY, spec.ymin0);
     var x = scale(xe[0], xe[1], m.l, W - m.r, spec.xlog), y = scale(ye[0], ye[1], H - m.b, m.t, logY);
     var ok = function (v, log) { return isNum(v) && (!log || v > 0); };
@@ -226,6 +229,19 @@
     var clipId = "clip-" + Math.random().toString(36).slice(2);
     s("rect", { x: m.l, y: m.t, width: W - m.l - m.r, height: H - m.t - m.b }, s("clipPath", { id: clipId }, svg));
     var plot = s("g", { "clip-path": "url(#" + clipId + ")" }, svg);
+    (spec.bands || []).forEach(function (b) {
+      var lo = isNum(b.lo) ? b.lo : ye[0], hi = isNum(b.hi) ? b.hi : ye[1];
+      if (!(ok(lo, logY) && ok(hi, logY))) return;
+      s("rect", { x: m.l, width: W - m.l - m.r, y: y(Math.min(hi, ye[1])), height: Math.max(0, y(Math.max(lo, ye[0])) -
+        y(Math.min(hi, ye[1]))), class: "safe-band" }, plot);
+      if (b.label) s("text", { x: m.l + 4, y: y(Math.min(hi, ye[1])) + 12, class: "mark-label" }, plot, b.label);
+    });
+    (spec.spans || []).forEach(function (sp) {
+      if (!(ok(sp.x0, spec.xlog) && ok(sp.x1, spec.xlog))) return;
+      var r = s("rect", { x: x(sp.x0), width: Math.max(1, x(sp.x1) - x(sp.x0)), y: m.t, height: H - m.t - m.b,
+        class: "span" }, plot);
+      if (sp.label) s("title", {}, r, sp.label);
+    });
     (spec.hlines || []).forEach(function (l) {
       if (!ok(l.y, logY)) return;
       s("line", { x1: m.l, x2: W - m.r, y1: y(l.y), y2: y(l.y), class: "hline" }, plot);
@@ -249,7 +265,16 @@
         });
         if (up.length) s("path", { d: "M" + up.concat(down).join("L") + "Z", fill: color, class: "band" }, plot);
       }
-      if (se.line !== false) {
+      if (se.step) {
+        var sd = "", last = null;
+        se.x.forEach(function (xv, i) {
+          if (!(ok(xv, spec.xlog) && ok(se.y[i], logY))) return;
+          sd += last === null ? "M" + x(xv) + "," + y(se.y[i]) : "H" + x(xv) + "V" + y(se.y[i]);
+          last = xv;
+        });
+        if (sd && isNum(se.until) && se.until > last) sd += "H" + x(se.until);
+        if (sd) s("path", { d: sd, stroke: color, class: "line step" }, plot);
+      } else if (se.line !== false) {
         var d = "", pen = false;
         se.x.forEach(function (xv, i) {
           if (ok(xv, spec.xlog) && ok(se.y[i], logY)) { d += (pen ? "L" : "M") + x(xv) + "," + y(se.y[i]); pen = true; }
@@ -321,7 +346,8 @@
   function tokenRows(D, i) {
     var T = D.tokens, rows = [["token", quoted(T.text[i])], ["id", fmt(T.id[i])],
       ["(t, k)", "(" + fmt(T.t[i]) + ", " + fmt(T.k[i]) + ")"], ["wall", secs(T.wall[i])], ["phase", T.phase[i]]];
-    if (T.p && isNum(T.p[i])) rows.push(["p(token)", fmt(T.p[i])]);
+    if (T.p && isNum(T.p[i])) rows.push(["p_θ(token), τ = 1", fmt(T.p[i])]);
+    if (T.kernel_p && isNum(T.kernel_p[i])) rows.push(["kernel p(token)", fmt(T.kernel_p[i])]);
     if (T.entropy && isNum(T.entropy[i])) rows.push(["entropy", fmt(T.entropy[i]) + " nats"]);
     if (T.extra && T.extra[i]) Object.keys(T.extra[i]).forEach(function (k) { rows.push([k, fmt(T.extra[i][k])]); });
     if (D.states && i < D.states.norm.length) rows.push(["‖h‖", fmt(D.states.norm[i])]);
@@ -337,15 +363,46 @@
     document.querySelectorAll('[data-i="' + i + '"]').forEach(function (e) { e.classList.toggle("hl", on); });
   }
 
+  function kernelText(k) {
+    if (!k || typeof k !== "object") return undefined;
+    var parts = [k.greedy ? "greedy" : isNum(k.temperature) ? "τ = " + k.temperature : null];
+    if (!k.greedy) {
+      if (k.top_k) parts.push("top-k " + k.top_k);
+      if (k.top_p) parts.push("top-p " + k.top_p);
+      if (k.min_p) parts.push("min-p " + k.min_p);
+    }
+    if (isNum(k.repeat_penalty) && k.repeat_penalty !== 1 && k.repeat_last_n !== 0)
+      parts.push("repeat penalty " + k.repeat_penalty + " over " + (k.repeat_last_n === -1 ? "the context" :
+        "the last " + (isNum(k.repeat_last_n) ? k.repeat_last_n : 64) + " tokens"));
+    if (k.frequency_penalty) parts.push("frequency penalty " + k.frequency_penalty);
+    if (k.presence_penalty) parts.push("presence penalty " + k.presence_penalty);
+    if (Array.isArray(k.logit_bias) && k.logit_bias.length) parts.push("logit bias on " + k.logit_bias.length + " tokens");
+    parts = parts.filter(function (p) { return p; });
+    return parts.length ? parts.join(", ") : undefined;
+  }
+  function plantFacts(P) {
+    var out = [];
+    P.plants.forEach(function (p) {
+      var sf = p.safe, who = P.plants.length > 1 ? " (" + p.name + ")" : "";
+      if (!sf) return;
+      var span = sf.to - sf.from, total = 0, longest = 0;
+      sf.violations.forEach(function (v) { total += v.duration_s; longest = Math.max(longest, v.duration_s); });
+      out.push(["time in band" + who, (isNum(sf.fraction) ? (100 * sf.fraction).toFixed(1) + " % of " : "") +
+        fmt(+span.toFixed(3)) + " s of plant time (" + fmt(+sf.in_band_s.toFixed(3)) + " s)"]);
+      out.push(["violations" + who, sf.left + (sf.violations.length ? ", outside the band " + fmt(+total.toFixed(3)) +
+        " s in all, longest " + fmt(+longest.toFixed(3)) + " s" : "") +
+        (sf.violations.length && !sf.violations[0].left ? " (outside from the start)" : "")]);
+    });
+    return out;
+  }
+
   function renderArc(D) {
     var st = D.start || {}, end = D.end || {}, T = D.tokens;
     h("h1", {}, root, "Hybrid arc");
     if (st.task !== undefined) h("p", { class: "task" }, root, st.task);
     D.problems.forEach(function (p) { note(root, p, "problem"); });
-    var k = st.kernel || {};
     facts(root, [
-      ["model", st.model], ["kernel", k.greedy ? "greedy" : (k.temperature !== undefined ? "τ = " + k.temperature +
-        (k.top_k ? ", top-k " + k.top_k : "") + (k.top_p ? ", top-p " + k.top_p : "") : undefined)],
+      ["model", st.model], ["kernel", kernelText(st.kernel)],
       ["limits", st.limits && typeof st.limits === "object" ? st.limits.max_token_steps + " token steps, " + st.limits.max_jumps + " jumps (" +
         st.limits.max_jumps_per_step + " per token step)" : undefined], ["tool choice", st.tool_choice], ["seed", st.seed],
       ["tools", Array.isArray(st.tools) ? st.tools.map(function (t) { return t && t.name; }).join(", ") : undefined],
@@ -353,7 +410,8 @@
       ["token steps", T.t.length], ["jumps", D.jumps.length],
       ["wall q_G / q_E", end.wall_generate_s !== undefined ? secs(end.wall_generate_s) + " / " + secs(end.wall_external_s) : undefined],
       ["wall total", D.wall_curve.length ? secs(D.wall_curve[D.wall_curve.length - 1][1]) : undefined],
-    ]);
+      ["rates", D.rates || undefined],
+    ].concat(D.plant ? plantFacts(D.plant) : []));
     domain(section("Hybrid time domain", "domain"), D);
     wallBar(section("Wall clock", "wall"), D);
     tokenText(section("Tokens", "tokens"), D);
@@ -497,9 +555,10 @@
   function tokenText(sec, D) {
     var T = D.tokens, modes = ["phase"];
     if (T.p) modes.push("probability");
+    if (T.kernel_p) modes.push("kernel probability");
     if (T.entropy) modes.push("entropy");
-    if (!T.p && !T.entropy) note(sec, "Hover a token for its step, phase and wall time (this trace records no " +
-      "per-token probability or entropy).");
+    if (!T.p && !T.kernel_p && !T.entropy) note(sec, "Hover a token for its step, phase and wall time (this trace " +
+      "records no per-token probability or entropy).");
     else {
       var lab = h("label", { class: "toggle" }, sec, "colour by ");
       var sel = h("select", { id: "colour-by" }, lab);
@@ -534,6 +593,7 @@
       spans.forEach(function (e) {
         var sp = e[0], i = e[1], bg;
         if (mode === "probability" && T.p) bg = ramp(isNum(T.p[i]) ? 1 - T.p[i] : null);
+        else if (mode === "kernel probability" && T.kernel_p) bg = ramp(isNum(T.kernel_p[i]) ? 1 - T.kernel_p[i] : null);
         else if (mode === "entropy" && T.entropy) bg = ramp(isNum(T.entropy[i]) ? Math.min(1, T.entropy[i] / 5) : null);
         else bg = phaseColor(T.phase[i]) + "33";
         sp.style.background = bg;
@@ -541,7 +601,20 @@
       });
     }
     paint("phase");
-    if (T.p || T.entropy) note(sec, "probability: darker = less likely token; entropy: darker = more uncertain (5 nats = darkest).");
+    if (T.p || T.kernel_p || T.entropy) note(sec, "probability: the model's own p_θ(token) at τ = 1, before any " +
+      "input; kernel probability: p(token) under the kernel that drew it (1 under greedy decoding); darker = less " +
+      "likely. entropy: darker = more uncertain (5 nats = darkest).");
+    if (T.p || T.kernel_p) logprobChart(sec, D);
+  }
+  function logprobChart(sec, D) {
+    var T = D.tokens, series = [], labels = T.text.map(function (t, i) { return quoted(t) + " · " + T.phase[i]; });
+    function logs(p) { return p.map(function (v) { return isNum(v) && v > 0 ? Math.log(v) : null; }); }
+    if (T.p) series.push({ name: "log p_θ(token) at τ = 1 (the model)", x: T.t, y: logs(T.p), labels: labels,
+      color: "#1f77b4", marks: T.t.length <= 400, line: false });
+    if (T.kernel_p) series.push({ name: "log p(token) under the kernel that drew it", x: T.t, y: logs(T.kernel_p),
+      labels: labels, color: "#ff7f0e", marks: T.t.length <= 400, line: false });
+    chart(sec, { id: "token-logprob", title: "log-probability of each token: the model's beside the kernel's",
+      xlabel: "token step t", ylabel: "log p", height: 220, series: series });
   }
   function ramp(v) { return v === null ? "#eee" : "rgba(148, 40, 140, " + (0.08 + 0.7 * v).toFixed(3) + ")"; }
 
@@ -589,12 +662,29 @@
   function plant(sec, D) {
     D.plant.plants.forEach(function (p, pi) {
       var vl = p.jumps.map(function (j) { return { x: j.time, label: "jump " + j.k + (j.tool ? ": " + j.tool : "") }; });
-      var series = Object.keys(p.state).map(function (c) { return { name: c, x: p.time, y: p.state[c], marks: p.time.length <= 400 }; });
-      chart(sec, { id: "plant-" + pi, title: p.name + ": state against plant time, jumps marked", xlabel: "plant time",
-        ylabel: "state", series: series, vlines: vl });
-      var us = Object.keys(p.u).map(function (c) { return { name: c, x: p.time, y: p.u[c], marks: p.time.length <= 400 }; });
-      if (us.length) chart(sec, { id: "plant-u-" + pi, title: p.name + ": input u against plant time", xlabel: "plant time",
-        ylabel: "u", series: us, vlines: vl, height: 220 });
+      var names = Object.keys(p.state), unit = function (c) { return p.units[c] ? c + " (" + p.units[c] + ")" : c; };
+      var bands = [];
+      names.forEach(function (c) {
+        var b = p.bands[c];
+        if (Array.isArray(b) && (isNum(b[0]) || isNum(b[1])))
+          bands.push({ lo: b[0], hi: b[1], label: "safe band of " + c + ": " + (isNum(b[0]) ? fmt(b[0]) : "−∞") + " … " +
+            (isNum(b[1]) ? fmt(b[1]) : "∞") + (p.units[c] ? " " + p.units[c] : "") });
+      });
+      var series = names.map(function (c) { return { name: unit(c), x: p.time, y: p.state[c], marks: p.time.length <= 400 }; });
+      var spans = p.safe ? p.safe.violations.map(function (v) {
+        return { x0: v.start, x1: v.end, label: "outside the safe set " + fmt(v.start) + " … " + fmt(v.end) + " s" };
+      }) : [];
+      chart(sec, { id: "plant-" + pi, title: p.name + ": state against plant time" + (bands.length ? ", the safe band shaded" : "") +
+        (spans.length ? ", time outside it red" : "") + ", jumps marked", xlabel: "plant time (s)",
+        ylabel: names.length === 1 ? unit(names[0]) : "state", series: series, vlines: vl, bands: bands, spans: spans });
+      var held = p.held, us = Object.keys(held.u).map(function (c) {
+        return { name: c + " (held)", x: held.time, y: held.u[c], step: true, until: held.until, marks: held.time.length <= 400 };
+      });
+      Object.keys(p.applied.u).forEach(function (c) {
+        us.push({ name: c + " applied by the safety filter", x: p.applied.time, y: p.applied.u[c], marks: true, line: false });
+      });
+      if (us.length) chart(sec, { id: "plant-u-" + pi, title: p.name + ": input u against plant time, each command held " +
+        "until the next", xlabel: "plant time (s)", ylabel: "u", series: us, vlines: vl, height: 220 });
     });
   }
 
