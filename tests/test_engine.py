@@ -8,6 +8,7 @@ written out for small systems.
 
 import time
 
+import pytest
 import torch
 
 from hybridlm import Kernel, generate, load_model

@@ -183,7 +183,8 @@ class HybridArc:
         L = layers if layers is not None else (start.get("layers") if start is not None else None)
         L = L if isinstance(L, int) and not isinstance(L, bool) and L > 0 else None
         steps, jumps = len(self.of("token")), len(self.of("jump"))
-        q_G = prefill_s = prefill_tokens = 0
+        q_G = prefill_s = 0.0
+        prefill_tokens = 0
         opened = None  # the phase event of the interval in progress
         for e in [*self.events, None]:
             closes = e is None or e.kind in ("phase", "end") or e.get("stage") == "end"
