@@ -319,3 +319,7 @@ def test_the_rates_of_a_run_count_its_own_steps(toy_model):
     assert (r["token_steps"], r["jumps"], r["layers"], r["prefill_tokens"]) == (9, 0, 2, len(prompt))
     end, first = run.arc.events[-1].wall_s, run.arc.of("phase")[0].wall_s
     assert r["prefill_s"] + r["decode_s"] == pytest.approx(end - first) and r["wall_s_per_q_E_visit"] is None
+    # `hybridlm trace show` ends with the same rates, read back from the events alone
+    from hybridlm.engine.trace import format_timeline
+    last = format_timeline([e.to_dict() for e in run.arc.events]).splitlines()[-1]
+    assert last.startswith("rates: 9 token steps in ") and "(L = 2)" in last

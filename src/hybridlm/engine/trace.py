@@ -41,6 +41,7 @@ from typing import Any
 
 import jsonschema
 
+from hybridlm.engine.arc import HybridArc, format_rates
 from hybridlm.errors import InputError
 from hybridlm.lm.capture import Recorder
 
@@ -292,6 +293,8 @@ def format_timeline(events: list[dict], *, tokens: bool = False) -> str:
                 f"q_G {_seconds(e.get('wall_generate_s'), 0, 2)}s, q_E {_seconds(e.get('wall_external_s'), 0, 2)}s"
             )
     flush_text()
+    if any(e.get("event") == "token" for e in events):
+        lines.append("rates: " + format_rates(HybridArc.from_events(events).rates()))
     return "\n".join(lines)
 
 
