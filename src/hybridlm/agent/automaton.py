@@ -383,7 +383,7 @@ class HybridAgent:
         messages = self.protocol.messages(task)
         prompt, marks = self.protocol.prompt_ids_and_marks(messages)  # (the last mark: where the shared part ends)
         if self.tool_choice == "required" and not self.constrain:
-            prompt = prompt + self.tokenizer.encode(OPEN)  # the call forced open enters as part of the prefill
+            prompt = prompt + self.tokenizer.encode_markup(OPEN)  # the call forced open enters as part of the prefill
         T = self.model.config.n_ctx
         if len(prompt) >= T:  # Π_T would cut the system prompt and the tools' schemas away before the first step
             shared = marks[-1] if marks else 0
