@@ -17,7 +17,11 @@ from hypothesis import strategies as st
 
 from hybridlm.errors import WeightsError
 from hybridlm.weights.gguf_header import read_header
-from hybridlm.weights.vocab import PRE_TOKENIZERS, tokenizer_from_metadata
+from hybridlm.weights.vocab import (
+    PRE_TOKENIZERS,
+    tokenizer_from_folder,
+    tokenizer_from_metadata,
+)
 
 #: The vocabulary files with cases, of the two types hybridlm builds (llama.cpp 0.3.36's models/).
 CASE_FILES = {
@@ -247,3 +251,165 @@ def test_the_cache_form_round_trips(vocab):
         assert (again.add_bos, again.end_of_turn_ids, again.bos_id) == (tok.add_bos, tok.end_of_turn_ids, tok.bos_id)
     with pytest.raises(ValueError, match="another form"):
         tokenizer_from_json({**tokenizer_to_json(tok), "version": 1})
+
+
+# ====================================================================== Hugging Face folders
+def write_folder(tok, folder, **config):
+    """The folder transformers' save_pretrained writes for a fast tokenizer: tokenizer.json and its config."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.backend.save(str(folder / "tokenizer.json"))
+    named = {key: tok.backend.id_to_token(i) for key, i in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id))
+             if i is not None}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **named, "add_bos_token": tok.add_bos, **config}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return folder
+
+
+@pytest.mark.parametrize("name", sorted(CASE_FILES))
+def test_folders_rebuilt_from_the_vocabularies(vocab, tmp_path, name):
+    """tokenizer.json + tokenizer_config.json of each vocabulary: hybridlm's folder reader and transformers
+    (reading the same folder) both give llama.cpp's ids."""
+    import transformers
+
+    _, tok, cases = vocab(name)
+    folder = write_folder(tok, tmp_path / name)
+    again = tokenizer_from_folder(folder)
+    assert [again.encode(t) for t, _ in cases] == [ids for _, ids in cases]
+    assert [again.decode(again.encode(t)) for t, _ in cases] == [t for t, _ in cases]
+    assert (again.bos_id, again.eos_id, again.add_bos) == (tok.bos_id, tok.eos_id, tok.add_bos)
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    assert [theirs.encode(t, add_special_tokens=False) for t, _ in cases] == [ids for _, ids in cases]
+
+
+#: The vocabularies whose transformers GGUF conversion (AutoTokenizer.from_pretrained(..., gguf_file=...))
+#: gives llama.cpp's ids. Measured with transformers 5.25: falcon 37/46, llama-spm 31/46, deepseek-coder,
+#: deepseek-llm, llama-bpe and starcoder 45/46 (its converter keeps no per-vocabulary split); command-r,
+#: mpt and refact it does not read.
+TRANSFORMERS_CONVERTS = ["gpt-2", "phi-3", "qwen2", "qwen35"]
+
+
+@pytest.mark.parametrize("name", TRANSFORMERS_CONVERTS)
+def test_folders_of_transformers_gguf_conversion(vocab, llama_cpp_source, tmp_path, name):
+    import transformers
+
+    _, _, cases = vocab(name)
+    path = vocab_path(llama_cpp_source, name)
+    theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    theirs.save_pretrained(tmp_path)
+    ours = tokenizer_from_folder(tmp_path)
+    assert [ours.encode(t) for t, _ in cases] == [ids for _, ids in cases]
+    assert ours.eos_id == theirs.eos_token_id and ours.bos_id == theirs.bos_token_id
+
+
+def sentencepiece_model(meta, pieces: int) -> bytes:
+    """A SentencePiece BPE model (tokenizer.model) holding the first `pieces` pieces of a GGUF vocabulary,
+    written with sentencepiece's own protobuf schema."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    unk = meta["tokenizer.ggml.unknown_token_id"]
+    for i, (text, score, kind) in enumerate(zip(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"],
+                                                meta["tokenizer.ggml.token_type"])):
+        if i < pieces:  # sentencepiece wants exactly one unknown piece (Phi-3's file marks its padding so)
+            proto.pieces.add(piece=text, score=score, type=2 if i == unk else 3 if kind == 2 else kind)
+    spec = proto.trainer_spec
+    spec.model_type, spec.byte_fallback = pb.TrainerSpec.BPE, True
+    spec.unk_id, spec.bos_id, spec.eos_id, spec.pad_id = unk, meta["tokenizer.ggml.bos_token_id"], 2, -1
+    norm = proto.normalizer_spec
+    norm.name, norm.add_dummy_prefix, norm.remove_extra_whitespaces, norm.escape_whitespaces = "identity", True, False, True
+    return proto.SerializeToString()
+
+
+@pytest.mark.parametrize("name", ["llama-spm", "phi-3"])
+def test_folders_with_only_a_sentencepiece_model(vocab, tmp_path, name):
+    """tokenizer.model made from the vocabulary: sentencepiece itself gives llama.cpp's ids on it, and so
+    does hybridlm's folder reader (Phi-3's 64 tokens past the model's 32,000 pieces come from
+    tokenizer_config.json's added_tokens_decoder, as its folder has them)."""
+    import sentencepiece
+
+    meta, _, cases = vocab(name)
+    model = sentencepiece_model(meta, 32_000)
+    reference = sentencepiece.SentencePieceProcessor(model_proto=model)
+    assert [reference.encode(t) for t, _ in cases] == [ids for _, ids in cases]
+    (tmp_path / "tokenizer.model").write_bytes(model)
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    added = {str(i): {"content": tokens[i], "special": types[i] != 4} for i in range(32_000, len(tokens))}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": added}), encoding="utf-8")
+    ours = tokenizer_from_folder(tmp_path)
+    assert [ours.encode(t) for t, _ in cases] == [ids for _, ids in cases]
+    assert [ours.decode(ours.encode(t)) for t, _ in cases] == [t for t, _ in cases]
+    assert (ours.bos_id, ours.eos_id, ours.add_bos, ours.vocab_size) == (1, 2, True, len(tokens))
+    if name == "phi-3":
+        assert ours.encode_markup("<|end|>") == [32007] and 32007 not in ours.encode("<|end|>")
+
+
+def test_folder_settings(vocab, tmp_path):
+    """What a folder says besides tokenizer.json: the template file over the config's, every EOS of
+    generation_config.json, BOS from Llama 3's post-processor, special_tokens_map.json's tokens."""
+    from tokenizers import processors
+
+    _, tok, _ = vocab("llama-bpe")
+    folder = write_folder(tok, tmp_path / "llama3", chat_template="config {{ messages }}")
+    del_keys = json.loads((folder / "tokenizer_config.json").read_text())
+    for key in ("add_bos_token", "bos_token", "eos_token"):
+        del_keys.pop(key)
+    (folder / "tokenizer_config.json").write_text(json.dumps(del_keys))
+    (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": {"content": "<|begin_of_text|>"},
+                                                                "eos_token": "<|eot_id|>"}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128008, 128009]}))
+    (folder / "chat_template.jinja").write_text("{{ bos_token }}<|eot_id|><|eom_id|>", encoding="utf-8")
+    backend = tok.backend
+    backend.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                           special_tokens=[("<|begin_of_text|>", 128000)])
+    backend.save(str(folder / "tokenizer.json"))
+    backend.post_processor = None
+    ours = tokenizer_from_folder(folder)
+    assert ours.chat_template == "{{ bos_token }}<|eot_id|><|eom_id|>"
+    assert (ours.bos_id, ours.eos_id, ours.add_bos, ours.end_of_turn_id) == (128000, 128009, True, 128009)
+    assert ours.end_of_turn_ids == {128001, 128008, 128009} and ours.stop_ids() == {128001, 128008, 128009}
+    assert ours.with_special(ours.encode("hi")) == [128000, *ours.encode("hi")]
+
+
+@pytest.mark.parametrize("file, text, fragment", [
+    ("tokenizer.json", "{not json", "tokenizer.json: not a tokenizer"),
+    ("tokenizer.json", '{"model": {"type": "Nope"}}', "tokenizer.json: not a tokenizer"),
+    ("tokenizer_config.json", "[1, 2]", "tokenizer_config.json: a JSON list, expected an object"),
+    ("tokenizer_config.json", "\xff\xfe", "tokenizer_config.json: not a JSON object"),
+    ("tokenizer_config.json", '{"bos_token": "<nope>"}', "bos_token is '<nope>': expected a token"),
+    ("tokenizer_config.json", '{"eos_token": 5}', "eos_token is '5'"),
+    ("tokenizer_config.json", '{"add_bos_token": "yes"}', "add_bos_token is 'yes': expected true or false"),
+    ("tokenizer_config.json", '{"chat_template": 3}', "chat_template is '3'"),
+    ("generation_config.json", '{"eos_token_id": [1, 999999]}', "eos_token_id holds '999999'"),
+    ("generation_config.json", '{"eos_token_id": true}', "eos_token_id holds 'True'"),
+    ("chat_template.jinja", b"\xff", "chat_template.jinja: not readable"),
+])
+def test_bad_folder_files_are_one_line(vocab, tmp_path, file, text, fragment):
+    _, tok, _ = vocab("gpt-2")
+    folder = write_folder(tok, tmp_path / "f")
+    (folder / file).write_bytes(text if isinstance(text, bytes) else text.encode("latin-1"))
+    with pytest.raises(WeightsError, match=fragment) as info:
+        tokenizer_from_folder(folder)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (lambda proto: setattr(proto.trainer_spec, "model_type", 1), "a SentencePiece UNIGRAM model"),
+    (lambda proto: setattr(proto.normalizer_spec, "remove_extra_whitespaces", True), "is not the identity"),
+    (lambda proto: proto.pieces.add(piece=proto.pieces[300].piece, score=0.0, type=1), "tokenizer.model holds .* twice"),
+])
+def test_sentencepiece_models_hybridlm_does_not_build_are_refused(vocab, tmp_path, change, fragment):
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    meta, _, _ = vocab("llama-spm")
+    proto = pb.ModelProto.FromString(sentencepiece_model(meta, 400))
+    change(proto)
+    (tmp_path / "tokenizer.model").write_bytes(proto.SerializeToString())
+    with pytest.raises(WeightsError, match=fragment):
+        tokenizer_from_folder(tmp_path)
+    (tmp_path / "tokenizer.model").write_bytes(b"\x0a\xff\xff\xff")
+    with pytest.raises(WeightsError, match="tokenizer.model: not a SentencePiece model"):
+        tokenizer_from_folder(tmp_path)
+
+
+def test_a_folder_without_a_tokenizer_has_none(tmp_path):
+    assert tokenizer_from_folder(tmp_path) is None

@@ -23,6 +23,8 @@ overrides its template), `special_tokens_map.json` and `generation_config.json`.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
@@ -187,13 +189,13 @@ def _per_token(meta: dict[str, Any], key: str, kind: str, n: int, default: list 
     return values
 
 
-def _vocab(tokens: list[str]) -> dict[str, int]:
+def _vocab(tokens: list[str], what: str = "tokenizer.ggml.tokens") -> dict[str, int]:
     vocab = {token: index for index, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         seen: dict[str, int] = {}
         for index, token in enumerate(tokens):
             if token in seen:
-                raise WeightsError(f"tokenizer.ggml.tokens holds {token[:40]!r} twice (ids {seen[token]} and {index})")
+                raise WeightsError(f"{what} holds {token[:40]!r} twice (ids {seen[token]} and {index})")
             seen[token] = index
     return vocab
 
@@ -277,6 +279,181 @@ def end_of_turn(template: str | None, vocab: dict[str, int]) -> list[int]:
     """The ids of the markers that end a turn in the chat template, in order of preference (`<|im_end|>`
     for ChatML; Llama 3's `<|eot_id|>` and `<|eom_id|>`), for files that name none."""
     return [vocab[t] for t in END_OF_TURN_TOKENS if template and t in template and t in vocab]
+
+
+# ====================================================================== Hugging Face folders
+def tokenizer_from_folder(folder: Path, *, vocab_size: int | None = None) -> Tokenizer | None:
+    """The tokenizer of a Hugging Face folder; None when it has neither tokenizer.json nor tokenizer.model.
+
+    Bad files are one WeightsError line naming the file and the value; `vocab_size` (the model's) must
+    hold every id of the tokenizer.
+    """
+    folder = Path(folder)
+    config = _json_object(folder / "tokenizer_config.json")
+    if (folder / "tokenizer.json").is_file():
+        backend, defaults = _library_file(folder / "tokenizer.json"), {}
+    elif (folder / "tokenizer.model").is_file():
+        backend, defaults = _sentencepiece_model(folder / "tokenizer.model", config)
+    else:
+        return None
+    backend.no_truncation()
+    backend.no_padding()
+    vocab = backend.get_vocab(with_added_tokens=True)
+    size = max(vocab.values(), default=-1) + 1
+    if vocab_size is not None and size > vocab_size:
+        raise WeightsError(f"{folder.name}: the tokenizer's ids reach {size - 1:,}, beyond the model's vocabulary "
+                           f"of {vocab_size:,}")
+    named = defaults | _json_object(folder / "special_tokens_map.json") | {k: v for k, v in config.items()
+                                                                          if v is not None}
+    bos, eos = (_token_id(vocab, named, key) for key in ("bos_token", "eos_token"))
+    template = _chat_template(folder, config)
+    markers = end_of_turn(template, vocab)
+    add_bos = _flag(config, "add_bos_token", defaults.get("add_bos_token", _post_processor_adds(backend, bos, 0)))
+    add_eos = _flag(config, "add_eos_token", _post_processor_adds(backend, eos, -1))
+    return Tokenizer(backend, eos_id=eos, bos_id=bos, chat_template=template, name=folder.name,
+                     end_of_turn_id=next(iter(markers), None), add_bos=add_bos, add_eos=add_eos,
+                     end_of_turn_ids=_generation_eos(folder, size) | set(markers))
+
+
+def _json_object(path: Path) -> dict:
+    """A JSON object from `path`; {} when there is no such file; one WeightsError line when it is no object."""
+    if not path.is_file():
+        return {}
+    try:
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise WeightsError(f"{path.name}: {path.stat().st_size:,} bytes, more than {MAX_JSON_BYTES:,}")
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise WeightsError(f"{path.name}: not a JSON object ({_one_line(exc, 80)})") from None
+    if not isinstance(data, dict):
+        raise WeightsError(f"{path.name}: a JSON {type(data).__name__}, expected an object")
+    return data
+
+
+def _library_file(path: Path) -> HFTokenizer:
+    try:
+        return HFTokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - the library raises plain Exception for a bad file
+        raise WeightsError(f"{path.name}: not a tokenizer the tokenizers library reads ({_one_line(exc)})") from None
+
+
+def _sentencepiece_model(path: Path, config: dict) -> tuple[HFTokenizer, dict]:
+    """A SentencePiece model file (protobuf) of BPE type, built as the GGUF 'llama' vocabulary is, with the
+    added tokens tokenizer_config.json lists; and its BOS and EOS, BOS first by default (as LlamaTokenizer)."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError:
+        raise WeightsError(f"{path.name}: reading a SentencePiece model needs the sentencepiece package "
+                           "(pip install sentencepiece)") from None
+    proto = sentencepiece_model_pb2.ModelProto()
+    try:
+        proto.ParseFromString(path.read_bytes())
+    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, a read error
+        raise WeightsError(f"{path.name}: not a SentencePiece model ({_one_line(exc, 80)})") from None
+    trainer, norm = proto.trainer_spec, proto.normalizer_spec
+    kind = sentencepiece_model_pb2.TrainerSpec.ModelType.Name(trainer.model_type)
+    if kind != "BPE":
+        raise WeightsError(f"{path.name}: a SentencePiece {kind} model; hybridlm builds BPE ones (as llama.cpp)")
+    if norm.precompiled_charsmap or norm.remove_extra_whitespaces or not norm.escape_whitespaces:
+        raise WeightsError(f"{path.name}: its normalizer ({norm.name or 'custom'}: remove_extra_whitespaces="
+                           f"{norm.remove_extra_whitespaces}, escape_whitespaces={norm.escape_whitespaces}) is not "
+                           "the identity; hybridlm builds identity-normalised SentencePiece models")
+    tokens, types = [p.piece for p in proto.pieces], [p.type for p in proto.pieces]
+    if not tokens:
+        raise WeightsError(f"{path.name}: the model holds no piece")
+    _vocab(tokens, path.name)
+    unknown = tokens[trainer.unk_id] if 0 <= trainer.unk_id < len(tokens) else None
+    backend = sentencepiece_bpe(tokens, [p.score for p in proto.pieces], types, unknown=unknown,
+                                add_space_prefix=norm.add_dummy_prefix)
+    add_tokens(backend, [t for t, k in zip(tokens, types) if k in (CONTROL, UNKNOWN)],
+               [t for t, k in zip(tokens, types) if k == USER_DEFINED])
+    _added_tokens(backend, config.get("added_tokens_decoder"))
+    named = {key: tokens[i] for key, i in (("bos_token", trainer.bos_id), ("eos_token", trainer.eos_id))
+             if 0 <= i < len(tokens)}
+    return backend, {**named, "add_bos_token": True}
+
+
+def _added_tokens(backend: HFTokenizer, listed) -> None:
+    """tokenizer_config.json's added_tokens_decoder ({id: {content, special, ...}}) on a tokenizer built from
+    tokenizer.model: each token is the piece of that id, or the next id."""
+    if listed is None:
+        return
+    if not isinstance(listed, dict):
+        raise WeightsError(f"tokenizer_config.json: added_tokens_decoder is a {type(listed).__name__}, expected "
+                           "an object {id: token}")
+    for key, entry in sorted(listed.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else -1):
+        content = entry.get("content") if isinstance(entry, dict) else None
+        if not str(key).isdigit() or not isinstance(content, str) or not content:
+            raise WeightsError(f"tokenizer_config.json: added_tokens_decoder holds {str(key)[:20]!r}: "
+                               f"{str(entry)[:40]!r}, expected an id and {{\"content\": text}}")
+        at, size = backend.token_to_id(content), backend.get_vocab_size(with_added_tokens=True)
+        if at != int(key) and not (at is None and int(key) == size):
+            raise WeightsError(f"tokenizer_config.json: added token {content[:40]!r} has id {key}, the model's "
+                               f"pieces put it at {size if at is None else at}")
+        add_tokens(backend, *([[content], []] if entry.get("special") is True else [[], [content]]))
+
+
+def _token_id(vocab: dict[str, int], named: dict, key: str) -> int | None:
+    """The id of a folder's `bos_token`/`eos_token` (a string, or an AddedToken's {"content": ...})."""
+    value = named.get(key)
+    if isinstance(value, dict):
+        value = value.get("content")
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in vocab:
+        raise WeightsError(f"tokenizer_config.json: {key} is {str(value)[:40]!r}: expected a token of the "
+                           "vocabulary")
+    return vocab[value]
+
+
+def _flag(config: dict, key: str, default: bool) -> bool:
+    value = config.get(key, default)
+    if not isinstance(value, bool):
+        raise WeightsError(f"tokenizer_config.json: {key} is {str(value)[:40]!r}: expected true or false")
+    return value
+
+
+def _post_processor_adds(backend: HFTokenizer, token: int | None, where: int) -> bool:
+    """Whether tokenizer.json's post-processor (a TemplateProcessing, alone or in a Sequence) puts `token`
+    at `where` (0: first, -1: last) of a single sequence: how Llama 3's tokenizer.json says that a prompt
+    starts with BOS."""
+    if token is None:
+        return False
+    post = json.loads(backend.to_str()).get("post_processor") or {}
+    for step in post.get("processors", [post]):
+        single = step.get("single") if step.get("type") == "TemplateProcessing" else None
+        if single:
+            edge = single[where].get("SpecialToken", {})
+            return token in step.get("special_tokens", {}).get(edge.get("id"), {}).get("ids", [])
+    return False
+
+
+def _chat_template(folder: Path, config: dict) -> str | None:
+    """chat_template.jinja, else chat_template.json's, else tokenizer_config.json's (a string, or a list of
+    {name, template} of which 'default' is the one)."""
+    if (folder / "chat_template.jinja").is_file():
+        try:
+            return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise WeightsError(f"chat_template.jinja: not readable as UTF-8 text ({_one_line(exc, 80)})") from None
+    template = _json_object(folder / "chat_template.json").get("chat_template", config.get("chat_template"))
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise WeightsError(f"{folder.name}: chat_template is {str(template)[:40]!r}: expected a template's text")
+    return template
+
+
+def _generation_eos(folder: Path, size: int) -> set[int]:
+    """generation_config.json's eos_token_id (an id or a list of them): every token that ends generation."""
+    value = _json_object(folder / "generation_config.json").get("eos_token_id")
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    for v in values:
+        if not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v < size):
+            raise WeightsError(f"generation_config.json: eos_token_id holds {str(v)[:40]!r}: expected an id in "
+                               f"[0, {size})")
+    return set(values)
 
 
 # ====================================================================== the cache's form
