@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -45,8 +46,9 @@ class Tokenizer:
         add_eos: bool = False,
         end_of_turn_ids: Iterable[int] = (),
     ) -> None:
-        self.backend = backend  # special tokens are markup here: the encoding of rendered templates
-        self.backend.encode_special_tokens = False
+        self.backend = backend
+        self.backend.encode_special_tokens = False  # special tokens are markup but inside `encode`
+        self._lock = threading.Lock()
         self.eos_id = eos_id
         self.bos_id = bos_id
         self.chat_template = chat_template
@@ -61,6 +63,12 @@ class Tokenizer:
         self.end_of_turn_ids = frozenset({int(i) for i in end_of_turn_ids} | (
             set() if self.end_of_turn_id is None else {self.end_of_turn_id}))
 
+    def __getstate__(self) -> dict:  # a model is pickled and deep-copied with its tokenizer; a lock is not
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
@@ -70,21 +78,26 @@ class Tokenizer:
         """The ids of the special (control) tokens: what only markup may produce."""
         return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
 
-    @functools.cached_property
-    def _text_backend(self) -> HFTokenizer:
-        # A second backend rather than a flag flipped per call: encodings run in several threads at once.
-        backend = HFTokenizer.from_str(self.backend.to_str())
-        backend.encode_special_tokens = True
-        return backend
-
     def encode(self, text: str) -> list[int]:
         """Untrusted text → ids: special-token strings in it are text, never control tokens."""
-        return self._text_backend.encode(_text(text), add_special_tokens=False).ids
+        return self._encode(text, special_tokens_are_text=True)
 
     def encode_markup(self, text: str) -> list[int]:
         """Markup → ids: special-token strings in it are the special tokens (a rendered chat template,
         the protocol's delimiters)."""
-        return self.backend.encode(_text(text), add_special_tokens=False).ids
+        return self._encode(text, special_tokens_are_text=False)
+
+    def _encode(self, text: str, *, special_tokens_are_text: bool) -> list[int]:
+        if not isinstance(text, str):
+            raise InputError(f"expected text (str), got {type(text).__name__}")
+        # The library keeps the choice as a flag of the tokenizer, not of the call: set it under a lock,
+        # since encodings run in several threads (a second backend would cost a second vocabulary).
+        with self._lock:
+            self.backend.encode_special_tokens = special_tokens_are_text
+            try:
+                return self.backend.encode(text, add_special_tokens=False).ids
+            finally:
+                self.backend.encode_special_tokens = False
 
     def with_special(self, ids: Sequence[int]) -> list[int]:
         """A prompt's ids framed as its vocabulary asks (llama.cpp's `add_special`): BOS first where
@@ -138,12 +151,6 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name}, V={self.vocab_size}, eos={self.eos_id})"
-
-
-def _text(text) -> str:
-    if not isinstance(text, str):
-        raise InputError(f"expected text (str), got {type(text).__name__}")
-    return text
 
 
 def piece_decoder(decoder):
