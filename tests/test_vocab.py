@@ -1,6 +1,6 @@
 """Tokenizers built from model files, against references independent of hybridlm.
 
-- llama.cpp's own tokenizer cases: every `models/ggml-vocab-*.gguf` of type 'gpt2' or 'llama' that has
+- llama.cpp's own tokenizer cases: every `models/ggml-vocab-*.gguf` of type 'gpt2', 'llama' or 'gemma4' that has
   `.inp`/`.out` files (the ids the model's Hugging Face tokenizer gives, written by llama.cpp's
   tests/test-tokenizer-0.py; read as tests/test-tokenizer-0.cpp reads them: no BOS, special tokens not
   parsed) must come out exactly, from the GGUF metadata and from folders rebuilt from it.
@@ -23,11 +23,12 @@ from hybridlm.weights.vocab import (
     tokenizer_from_metadata,
 )
 
-#: The vocabulary files with cases, of the two types hybridlm builds (llama.cpp 0.3.36's models/).
+#: The vocabulary files with cases, of the types hybridlm builds (llama.cpp 0.3.36's models/): the 13 of
+#: types 'gpt2' and 'llama', and Gemma 4's.
 CASE_FILES = {
     "command-r": "gpt2", "deepseek-coder": "gpt2", "deepseek-llm": "gpt2", "falcon": "gpt2", "gpt-2": "gpt2",
     "llama-bpe": "gpt2", "llama-spm": "llama", "mpt": "gpt2", "phi-3": "llama", "qwen2": "gpt2",
-    "qwen35": "gpt2", "refact": "gpt2", "starcoder": "gpt2",
+    "qwen35": "gpt2", "refact": "gpt2", "starcoder": "gpt2", "gemma-4": "gemma4",
 }
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
@@ -67,7 +68,7 @@ def test_every_vocabulary_with_cases_is_checked(llama_cpp_source):
     found = {}
     for path in (llama_cpp_source / "models").glob("ggml-vocab-*.gguf"):
         kind = read_header(path).metadata.get("tokenizer.ggml.model")
-        if kind in ("gpt2", "llama") and path.with_name(path.name + ".inp").is_file():
+        if kind in ("gpt2", "llama", "gemma4") and path.with_name(path.name + ".inp").is_file():
             found[path.name.removeprefix("ggml-vocab-").removesuffix(".gguf")] = kind
     assert found == CASE_FILES
 
@@ -78,7 +79,7 @@ def test_ids_equal_llama_cpp_cases(vocab, name):
     assert meta["tokenizer.ggml.model"] == CASE_FILES[name]
     wrong = [(text, ids, tok.encode(text)) for text, ids in cases if tok.encode(text) != ids]
     assert not wrong, f"{len(wrong)}/{len(cases)} cases differ, first: {wrong[0]}"
-    # Both vocabulary types are lossless on these texts: bytes for what the vocabulary lacks. (The one
+    # Every vocabulary type is lossless on these texts: bytes for what the vocabulary lacks. (The one
     # loss: a SentencePiece vocabulary reads a literal ▁ as a space; see test_sentencepiece_space_marker.)
     assert [tok.decode(tok.encode(text)) for text, _ in cases] == [text for text, _ in cases]
 
@@ -185,7 +186,7 @@ def test_small_vocabularies_build():
 
 
 @pytest.mark.parametrize("base, key, value, fragment", [
-    (small_bpe, "tokenizer.ggml.model", "bert", "tokenizer.ggml.model 'bert'"),
+    (small_bpe, "tokenizer.ggml.model", "bert", "tokenizer.ggml.model 'bert' is not .* known: 'gpt2'"),
     (small_bpe, "tokenizer.ggml.model", 3, "tokenizer.ggml.model"),
     (small_bpe, "tokenizer.ggml.tokens", [1, 2], "tokenizer.ggml.tokens"),
     (small_bpe, "tokenizer.ggml.tokens", [], "tokenizer.ggml.tokens holds no token"),
@@ -413,3 +414,45 @@ def test_sentencepiece_models_hybridlm_does_not_build_are_refused(vocab, tmp_pat
 
 def test_a_folder_without_a_tokenizer_has_none(tmp_path):
     assert tokenizer_from_folder(tmp_path) is None
+
+
+def test_a_folder_whose_model_spells_a_special_token_is_refused(tmp_path):
+    """A word-level model that holds '<s>' as a word reads the text '<s>' as the special token even when
+    special tokens are text: untrusted text could produce it, so the folder is refused."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "hi": 2}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens([AddedToken("<s>", special=True)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(WeightsError, match="turns the text '<s>' into the special token 1"):
+        tokenizer_from_folder(tmp_path)
+
+
+def test_a_special_token_of_one_character_is_refused():
+    """Text spells a one-character control token without any merge: untrusted text could produce it."""
+    meta = small_spm()
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"][:-1], "\x00"]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"][:-1], 3]
+    with pytest.raises(WeightsError, match=r"turns the text '\\x00' into the special token 8"):
+        tokenizer_from_metadata(meta, name="x")
+
+
+def test_a_tokenizer_json_whose_ids_collide_is_refused(vocab, tmp_path):
+    _, tok, _ = vocab("gpt-2")
+    folder = write_folder(tok, tmp_path / "f")
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["model"]["vocab"]["<|endoftext|>"] = 50  # the id of 'S'
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(WeightsError, match="tokenizer.json: .*50"):
+        tokenizer_from_folder(folder)
+
+
+def test_a_special_byte_piece_is_refused():
+    """A SentencePiece vocabulary whose byte piece <0x41> is a control token writes 'A' as that token."""
+    meta = small_spm()
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], "<0x42>"]  # a byte piece: byte fallback on
+    meta["tokenizer.ggml.scores"] = [*meta["tokenizer.ggml.scores"], 0.0]
+    meta["tokenizer.ggml.token_type"] = [2, 3, 3, 3, 1, 1, 1, 1, 1, 6]
+    with pytest.raises(WeightsError, match="turns the text '<0x41>' into the special token 3"):
+        tokenizer_from_metadata(meta, name="x")

@@ -75,8 +75,10 @@ class Tokenizer:
 
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:
-        """The ids of the special (control) tokens: what only markup may produce."""
-        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+        """The ids of the special (control) tokens: what only markup may produce. (Not the unknown token:
+        text the vocabulary cannot write becomes <unk>, which is no markup.)"""
+        unknown = self.backend.token_to_id(getattr(self.backend.model, "unk_token", None) or "")
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special) - {unknown}
 
     def encode(self, text: str) -> list[int]:
         """Untrusted text → ids: special-token strings in it are text, never control tokens."""
@@ -96,6 +98,12 @@ class Tokenizer:
             self.backend.encode_special_tokens = special_tokens_are_text
             try:
                 return self.backend.encode(text, add_special_tokens=False).ids
+            except TypeError:  # the library's answer to a str that is no Unicode text (a lone surrogate)
+                bad = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+                if bad is None:
+                    raise
+                raise InputError(f"text holds a lone surrogate U+{ord(text[bad]):04X} at character {bad}: "
+                                 "expected Unicode text") from None
             finally:
                 self.backend.encode_special_tokens = False
 
@@ -181,11 +189,11 @@ def piece_decoder(decoder):
 
 class TokenTable:
     """The text of every token as it reads inside a longer text (special tokens: ""), and which tokens
-    start with or contain a text,
-    computed once per tokenizer (what barriers, objectives and the agent's masks read)."""
+    start with or contain a text, computed once per tokenizer (what barriers, objectives and the
+    agent's masks read)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        special = tokenizer.special_ids
+        special = {i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special}
         self.size = tokenizer.vocab_size
         self.texts = ["" if i in special else tokenizer.token_str(i) for i in range(self.size)]
         self._starting: dict[str, list[int]] = {}
@@ -203,14 +211,14 @@ class TokenTable:
         return self._containing[text]
 
 
-def byte_level_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], special: Sequence[str], *,
-                   user_defined: Sequence[str] = (), pre_tokenizer=None, ignore_merges: bool = False) -> HFTokenizer:
+def byte_level_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], special: Sequence[str] = (), *,
+                   pre_tokenizer=None, ignore_merges: bool = False) -> HFTokenizer:
     """A byte-level BPE from vocab and merges: `pre_tokenizer` splits the text (default: GPT-2's regex,
-    no prefix space), then every byte is a symbol; `special` and `user_defined` become added tokens."""
+    no prefix space), then every byte is a symbol; `special` become special added tokens."""
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=ignore_merges))
     backend.pre_tokenizer = pre_tokenizer or pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
-    add_tokens(backend, special, user_defined)
+    add_tokens(backend, special, ())
     return backend
 
 

@@ -45,7 +45,7 @@ from hybridlm.weights.registry import SMOLLM2_MODULE, SMOLLM2_PACKAGE, smollm2_p
 
 
 ARCHITECTURE = "llama"
-CACHE_VERSION = 2  # bump when the cached content changes; old files are then left unused
+CACHE_VERSION = 3  # bump when the cached content changes; old files are then left unused
 CACHE_FORMAT = f"hybridlm-gguf-cache/{CACHE_VERSION}"
 
 #: Storage types hybridlm dequantises (with `gguf.quants.dequantize`) and has tested.

@@ -10,6 +10,8 @@ A GGUF vocabulary is one of llama.cpp's types (`tokenizer.ggml.model`):
   scores highest merges first; a character outside the vocabulary becomes its bytes `<0xNN>`. That is
   a BPE whose merges are the splits of every piece into two pieces, ranked by the piece's score, as
   transformers converts a SentencePiece model.
+- 'gemma4', BPE over characters: ▁ for spaces, the text split only at runs of newlines, then the merges of
+  `tokenizer.ggml.merges`; bytes `<0xNN>` for characters outside the vocabulary.
 
 Token types (`tokenizer.ggml.token_type`, SentencePiece's own numbering): control and unknown tokens are
 special (only markup produces them), user-defined ones are matched in any text before the model sees it,
@@ -24,6 +26,7 @@ overrides its template), `special_tokens_map.json` and `generation_config.json`.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +149,7 @@ def tokenizer_from_metadata(meta: dict[str, Any], *, name: str, vocab_size: int 
         return None
     if kind not in BUILDERS:
         raise WeightsError(f"tokenizer.ggml.model {kind[:60]!r} is not a vocabulary hybridlm builds; known: "
-                           "'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE)")
+                           "'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE), 'gemma4' (BPE over characters)")
     tokens = meta_value(meta, "tokenizer.ggml.tokens", "str list")
     if not tokens:
         raise WeightsError("tokenizer.ggml.tokens holds no token")
@@ -165,8 +168,8 @@ def tokenizer_from_metadata(meta: dict[str, Any], *, name: str, vocab_size: int 
         ids[key] = value = meta_value(meta, f"tokenizer.ggml.{key}_token_id", "int", None)
         if value is not None and not 0 <= value < len(tokens):
             raise WeightsError(f"tokenizer.ggml.{key}_token_id is {value}: expected an id in [0, {len(tokens)})")
-    # llama.cpp's defaults: a SentencePiece vocabulary starts a prompt with BOS, a byte-level one does not
-    add_bos = meta_value(meta, "tokenizer.ggml.add_bos_token", "bool", kind == "llama")
+    # llama.cpp's defaults: SentencePiece-style vocabularies start a prompt with BOS, byte-level ones do not
+    add_bos = meta_value(meta, "tokenizer.ggml.add_bos_token", "bool", kind != "gpt2")
     add_eos = meta_value(meta, "tokenizer.ggml.add_eos_token", "bool", False)
     template = meta_value(meta, "tokenizer.chat_template", "str", None)
     backend = BUILDERS[kind](meta, tokens, types, vocab, ids)
@@ -174,9 +177,11 @@ def tokenizer_from_metadata(meta: dict[str, Any], *, name: str, vocab_size: int 
                [t for t, k in zip(tokens, types) if k == USER_DEFINED])
     markers = end_of_turn(template, vocab)
     closer = ids["eot"] if ids["eot"] is not None else next(iter(markers), None)
-    return Tokenizer(backend, eos_id=ids["eos"], bos_id=ids["bos"], chat_template=template, name=name,
-                     end_of_turn_id=closer, end_of_turn_ids={ids["eom"], *markers} - {None},
-                     add_bos=add_bos, add_eos=add_eos)
+    tok = Tokenizer(backend, eos_id=ids["eos"], bos_id=ids["bos"], chat_template=template, name=name,
+                    end_of_turn_id=closer, end_of_turn_ids={ids["eom"], *markers} - {None},
+                    add_bos=add_bos, add_eos=add_eos)
+    _check_text_is_text(tok, "tokenizer.ggml.tokens")
+    return tok
 
 
 def _per_token(meta: dict[str, Any], key: str, kind: str, n: int, default: list | None) -> list | None:
@@ -203,6 +208,11 @@ def _vocab(tokens: list[str], what: str = "tokenizer.ggml.tokens") -> dict[str, 
 def _byte_level_bpe(meta, tokens, types, vocab, ids) -> HFTokenizer:
     """llama.cpp's 'gpt2' vocabulary: the merges of `tokenizer.ggml.merges` after the pre-tokenizer's split."""
     split, ignore_merges = pre_tokenizer(meta_value(meta, "tokenizer.ggml.pre", "str", "default"))
+    merges = _merges(meta, vocab)
+    return _library(lambda: byte_level_bpe(vocab, merges, pre_tokenizer=split, ignore_merges=ignore_merges))
+
+
+def _merges(meta, vocab: dict[str, int]) -> list[tuple[str, str]]:
     merges = []
     for i, merge in enumerate(meta_value(meta, "tokenizer.ggml.merges", "str list", None) or []):
         cut = merge.find(" ", 1)  # the first space after the first character, as llama.cpp splits a merge
@@ -211,7 +221,20 @@ def _byte_level_bpe(meta, tokens, types, vocab, ids) -> HFTokenizer:
             raise WeightsError(f"tokenizer.ggml.merges[{i}] is {merge[:40]!r}: expected 'left right', two tokens "
                                "whose union is a token")
         merges.append((left, right))
-    return _library(lambda: byte_level_bpe(vocab, merges, (), pre_tokenizer=split, ignore_merges=ignore_merges))
+    return merges
+
+
+def _gemma4_bpe(meta, tokens, types, vocab, ids) -> HFTokenizer:
+    """llama.cpp's 'gemma4' vocabulary: merges over characters (not bytes) after ▁ for spaces, the text split
+    only at newline runs; bytes for characters outside the vocabulary."""
+    merges = _merges(meta, vocab)
+    unknown = None if ids["unknown"] is None else tokens[ids["unknown"]]
+    backend = _library(lambda: HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unknown, fuse_unk=True,
+                                                      byte_fallback=BYTE in types)))
+    backend.normalizer = normalizers.Replace(" ", SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+    backend.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return backend
 
 
 def _sentencepiece_bpe(meta, tokens, types, vocab, ids) -> HFTokenizer:
@@ -244,7 +267,7 @@ def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int
     """Every split of a mergeable piece into two mergeable pieces, the piece of highest score first.
 
     Merging the pair of highest score first is SentencePiece's BPE (and llama.cpp's); control, unknown,
-    unused and byte pieces are never the result of a merge, so text cannot turn into a control token.
+    unused and byte pieces are never the result of a merge (text must not become a control token).
     """
     pieces = {t: i for i, t in enumerate(tokens) if types[i] in MERGEABLE}
     ranked = []
@@ -272,7 +295,7 @@ def _one_line(exc: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-BUILDERS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
+BUILDERS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe, "gemma4": _gemma4_bpe}
 
 
 def end_of_turn(template: str | None, vocab: dict[str, int]) -> list[int]:
@@ -296,9 +319,10 @@ def tokenizer_from_folder(folder: Path, *, vocab_size: int | None = None) -> Tok
         backend, defaults = _sentencepiece_model(folder / "tokenizer.model", config)
     else:
         return None
+    origin = "tokenizer.json" if (folder / "tokenizer.json").is_file() else "tokenizer.model"
     backend.no_truncation()
     backend.no_padding()
-    vocab = backend.get_vocab(with_added_tokens=True)
+    vocab = _distinct_ids(backend, origin)
     size = max(vocab.values(), default=-1) + 1
     if vocab_size is not None and size > vocab_size:
         raise WeightsError(f"{folder.name}: the tokenizer's ids reach {size - 1:,}, beyond the model's vocabulary "
@@ -310,9 +334,41 @@ def tokenizer_from_folder(folder: Path, *, vocab_size: int | None = None) -> Tok
     markers = end_of_turn(template, vocab)
     add_bos = _flag(config, "add_bos_token", defaults.get("add_bos_token", _post_processor_adds(backend, bos, 0)))
     add_eos = _flag(config, "add_eos_token", _post_processor_adds(backend, eos, -1))
-    return Tokenizer(backend, eos_id=eos, bos_id=bos, chat_template=template, name=folder.name,
-                     end_of_turn_id=next(iter(markers), None), add_bos=add_bos, add_eos=add_eos,
-                     end_of_turn_ids=_generation_eos(folder, size) | set(markers))
+    tok = Tokenizer(backend, eos_id=eos, bos_id=bos, chat_template=template, name=folder.name,
+                    end_of_turn_id=next(iter(markers), None), add_bos=add_bos, add_eos=add_eos,
+                    end_of_turn_ids=_generation_eos(folder, size) | set(markers))
+    _check_text_is_text(tok, origin)
+    return tok
+
+
+def _distinct_ids(backend: HFTokenizer, origin: str) -> dict[str, int]:
+    """token → id of a tokenizer read from a file, every id one token's (a special token sharing its id with
+    a word would make that word a special token)."""
+    vocab = backend.get_vocab(with_added_tokens=True)
+    for i, added in backend.get_added_tokens_decoder().items():
+        if vocab.get(added.content) != i:
+            raise WeightsError(f"{origin}: added token {added.content[:40]!r} has id {i}, its vocabulary "
+                               f"gives it {vocab.get(added.content)}")
+    if len(set(vocab.values())) != len(vocab):
+        owners: dict[int, str] = {}
+        for token, i in vocab.items():
+            if i in owners:
+                raise WeightsError(f"{origin}: the tokens {owners[i][:40]!r} and {token[:40]!r} share the id {i}")
+            owners[i] = token
+    return vocab
+
+
+def _check_text_is_text(tok: Tokenizer, origin: str) -> None:
+    """Refuse a tokenizer whose model spells a special token from text (merges that reach one, a special
+    token of one character, a word list that holds one, a byte fallback `<0xNN>` that is one): untrusted
+    text could then open or close a turn. One encoding per special token; no vocabulary of the families
+    hybridlm runs fails it."""
+    byte_fallback = getattr(tok.backend.model, "byte_fallback", False)
+    for i in sorted(tok.special_ids):
+        content = tok.backend.id_to_token(i)
+        if content and (i in tok.encode(content) or byte_fallback and re.fullmatch(r"<0x[0-9A-F]{2}>", content)):
+            raise WeightsError(f"{origin}: its model turns the text {content[:40]!r} into the special token {i}, "
+                               "so untrusted text could produce it; hybridlm refuses such vocabularies")
 
 
 def _json_object(path: Path) -> dict:
