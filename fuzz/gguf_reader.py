@@ -7,7 +7,8 @@ import atheris
 
 with atheris.instrument_imports(include=["hybridlm"]):
     from hybridlm.errors import HybridLMError
-    from hybridlm.weights.gguf import config_from_metadata, tokenizer_from_metadata, weights_from_tensors
+    from hybridlm.weights.gguf import config_from_metadata, weights_from_tensors
+    from hybridlm.weights.vocab import tokenizer_from_metadata
     from hybridlm.weights.gguf_header import read_header
 
 from common import run, scratch

@@ -117,6 +117,50 @@ def server_seeds() -> list[bytes]:
     return [json.dumps(b).encode() for b in bodies]
 
 
+def vocab_seeds() -> list[bytes]:
+    """FuzzedDataProvider inputs for gguf_vocab: any bytes are metadata; a few fixed patterns start the search."""
+    rng = np.random.default_rng(0)
+    return [bytes(range(256)) * 4, bytes(rng.integers(0, 256, 1500, dtype=np.uint8)),
+            bytes(rng.integers(0, 8, 1500, dtype=np.uint8)), b"\x01" * 700 + b"llama" * 50]
+
+
+def folder_seeds() -> list[bytes]:
+    """Inputs of tokenizer_folder: a byte-level BPE tokenizer.json with its config files, and a SentencePiece
+    tokenizer.model with added tokens (files picked by the first byte, each a u16 length and its bytes)."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    from hybridlm.weights.vocab import tokenizer_from_metadata
+
+    tokens = ["a", "b", "ab", "Ġ", "Ġa", "<|im_start|>", "<|im_end|>", "c", "<tool>"]
+    tok = tokenizer_from_metadata({
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [1, 1, 1, 1, 1, 3, 3, 1, 4], "tokenizer.ggml.merges": ["a b", "Ġ a"]}, name="s")
+    config = {"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"}, "add_bos_token": False,
+              "chat_template": "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"}
+    proto = pb.ModelProto()
+    for piece, kind in [("<unk>", 2), ("<s>", 3), ("</s>", 3), *((f"<0x{b:02X}>", 6) for b in range(256)),
+                        ("\u2581", 1), ("a", 1), ("b", 1), ("\u2581a", 1), ("ab", 1), ("<x>", 4)]:
+        proto.pieces.add(piece=piece, score=-len(proto.pieces), type=kind)
+    proto.trainer_spec.model_type, proto.trainer_spec.unk_id = pb.TrainerSpec.BPE, 0
+    proto.trainer_spec.bos_id, proto.trainer_spec.eos_id = 1, 2
+    norm = proto.normalizer_spec
+    norm.add_dummy_prefix, norm.escape_whitespaces, norm.remove_extra_whitespaces = True, True, False
+    added = {"added_tokens_decoder": {"265": {"content": "<end>", "special": True}}}
+
+    def folder(files: dict[int, bytes], text: str) -> bytes:  # file index (fuzz/tokenizer_folder.py's FILES) → bytes
+        out = bytes([sum(1 << i for i in files)])
+        for i in sorted(files):
+            out += struct.pack("<H", len(files[i])) + files[i]
+        return out + text.encode()
+
+    return [
+        folder({0: tok.backend.to_str().encode(), 2: json.dumps(config).encode(),
+                4: b'{"eos_token_id": [6, 5]}'}, "ab <|im_end|> a"),
+        folder({0: tok.backend.to_str().encode(), 3: b'{"bos_token": "a"}', 5: b"{{ messages }}"}, "b<tool>a"),
+        folder({1: proto.SerializeToString(), 2: json.dumps(added).encode()}, "ab a <end><s>"),
+    ]
+
+
 def main() -> None:
     import tempfile
 
@@ -126,6 +170,10 @@ def main() -> None:
         write("gguf_reader", "metadata_only.gguf", tiny_gguf(tmp / "b.gguf", tensors=False))
         write("hub_reader", "tiny_gpt2.bin", hub_seed(tmp))
     write("trace_reader", "arc.jsonl", trace_seed())
+    for i, seed in enumerate(vocab_seeds()):
+        write("gguf_vocab", f"metadata{i}.bin", seed)
+    for i, seed in enumerate(folder_seeds()):
+        write("tokenizer_folder", f"folder{i}.bin", seed)
     for i, body in enumerate(server_seeds()):
         write("server_request", f"body{i}.json", body)
     for i, expression in enumerate(["123456 * 789", "(2 + 3) * 4 ** 2 / 8", "7 // 2 + 7 % 2", "sqrt(144) + abs(-3)",

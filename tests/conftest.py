@@ -1,6 +1,11 @@
 """Shared fixtures. Tests use local files only: no model hub."""
 
 import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -8,6 +13,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 import torch
+
+from hybridlm.cache import cache_root
+
+#: Where downloaded references live: the cache root of the session, taken before any test moves it.
+REFERENCES = cache_root() / "references"
 
 
 def make_hub_gpt2(folder, *, n_layer, n_embd, n_head, vocab_size=50257, n_positions=1024, seed=0):
@@ -65,3 +75,36 @@ def smollm2():
     from hybridlm import load_model
 
     return load_model()
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_source() -> Path:
+    """llama.cpp's source tree (vendor/llama.cpp) from the source distribution of the installed
+    llama-cpp-python: its models/ggml-vocab-*.gguf with their .inp/.out tokenizer cases, models/templates,
+    convert_hf_to_gguf.py with gguf-py, tests/, ggml/. Downloaded with pip once into the cache and
+    unpacked into a temporary folder that is then renamed into place, so a second process running at
+    the same time finds either nothing or the whole tree."""
+    import llama_cpp  # a reference of the test extra: missing, the tests that need it fail rather than skip
+
+    version = llama_cpp.__version__
+    target = REFERENCES / f"llama.cpp-{version}"
+    if (target / "models").is_dir():
+        return target
+    REFERENCES.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=REFERENCES, prefix=".download-") as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={version}", "-d", tmp], check=True, capture_output=True, timeout=1200)
+        archive = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        prefix = f"{archive.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+        tree = Path(tmp) / "tree"
+        with tarfile.open(archive) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix) and (m.isfile() or m.isdir())]
+            for m in members:
+                m.name = m.name[len(prefix):] or "."
+            tar.extractall(tree, members=members, filter="data")
+        try:
+            tree.rename(target)
+        except OSError:  # another process renamed its tree first
+            if not (target / "models").is_dir():
+                raise
+    return target

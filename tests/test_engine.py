@@ -84,7 +84,7 @@ def test_a_mixed_batch_gives_every_sequence_its_tokens_alone(smollm2):
                                     * 0.5, layer=10))
 
     def population():
-        chat = lambda text: tok.encode(tok.render_chat([{"role": "user", "content": text}]))  # noqa: E731 - a one-line helper of the test
+        chat = lambda text: tok.encode_markup(tok.render_chat([{"role": "user", "content": text}]))  # noqa: E731 - a one-line helper of the test
         return [
             (0, sequence(smollm2, chat("Name a river."), kernel=Kernel(temperature=0.8, top_p=0.95),
                          max_new_tokens=20, seed=3)),

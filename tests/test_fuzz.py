@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 FUZZ = Path(__file__).parents[1] / "fuzz"
-HARNESSES = ["gguf_reader", "hub_reader", "trace_reader", "calculator", "knowledge_base", "call_parser", "server_request"]
+HARNESSES = ["gguf_reader", "gguf_vocab", "tokenizer_folder", "hub_reader", "trace_reader", "calculator",
+             "knowledge_base", "call_parser", "server_request"]
 
 
 @pytest.mark.fuzz

@@ -117,7 +117,7 @@ def llama(path):
 
 
 def ids_of(model, text: str) -> torch.Tensor:
-    return torch.tensor([model.tokenizer.encode(text)])
+    return torch.tensor([model.tokenizer.encode_markup(text)])
 
 
 # ====================================================================== the loaded model
@@ -202,28 +202,34 @@ def test_argmax_agrees_with_llama_cpp(model, llama):
 
 def test_token_ids_match_llama_cpp(model, llama):
     for text in TOKENIZER_TEXTS + NUMERAL_TEXTS:
-        theirs = llama.tokenize(text.encode("utf-8"), add_bos=False, special=True)
-        assert model.tokenizer.encode(text) == theirs, text
+        markup = llama.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        assert model.tokenizer.encode_markup(text) == markup, text
+        plain = llama.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+        assert model.tokenizer.encode(text) == plain, text
 
 
 # ====================================================================== tokenizer
 def test_token_ids_match_transformers(model, hf_tokenizer):
     tok = model.tokenizer
     for text in TOKENIZER_TEXTS:
-        ids = tok.encode(text)
+        ids = tok.encode_markup(text)
         assert ids == hf_tokenizer.encode(text, add_special_tokens=False), text
         assert tok.decode(ids) == text
+        plain = tok.encode(text)
+        assert plain == hf_tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True), text
+        assert tok.decode(plain) == text
 
 
 def test_special_tokens_and_ids(model):
     tok = model.tokenizer
-    im_start, im_end = tok.encode("<|im_start|>"), tok.encode("<|im_end|>")
+    im_start, im_end = tok.encode_markup("<|im_start|>"), tok.encode_markup("<|im_end|>")
     assert len(im_start) == 1 and len(im_end) == 1
     assert tok.end_of_turn_id == im_end[0] == 2
     assert tok.eos_id == 2 and tok.bos_id == 1
-    assert tok.encode("<|endoftext|>") == [0]
+    assert tok.encode_markup("<|endoftext|>") == [0]
     assert tok.vocab_size == model.config.vocab_size
-    assert tok.decode(tok.encode("a<|im_end|>b"), skip_special=True) == "ab"
+    assert tok.decode(tok.encode_markup("a<|im_end|>b"), skip_special=True) == "ab"
+    assert len(tok.encode("<|im_end|>")) > 1 and 2 not in tok.encode("a<|im_end|>b")  # text is text
 
 
 def test_chat_template_renders_like_transformers(model, hf_tokenizer):

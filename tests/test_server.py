@@ -95,7 +95,7 @@ def test_greedy_chat_equals_the_token_clock_on_the_same_prompt(served, client, s
     messages = ask("Name three colours.", system="You answer briefly.")
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
     tok = smollm2.tokenizer
-    prompt = tok.encode(tok.render_chat(messages, add_generation_prompt=True))
+    prompt = tok.encode_markup(tok.render_chat(messages, add_generation_prompt=True))
     ref = generate(smollm2, prompt, kernel=Kernel(greedy=True), max_new_tokens=12)
     ours = arc_tokens(url, r.model_extra["hybridlm"]["arcs"][0])
     assert ours == ref.generated_ids
@@ -139,7 +139,7 @@ def test_logprobs_equal_a_forward_pass_over_the_string(served, client, smollm2):
     content = r.choices[0].logprobs.content
     tokens = arc_tokens(url, r.model_extra["hybridlm"]["arcs"][0])
     tok = smollm2.tokenizer
-    prompt = tok.encode(tok.render_chat(messages, add_generation_prompt=True))
+    prompt = tok.encode_markup(tok.render_chat(messages, add_generation_prompt=True))
     with torch.no_grad():
         logits = smollm2(torch.tensor([prompt + tokens]))[0]
     ref = torch.log_softmax(logits.double(), -1)
@@ -192,7 +192,7 @@ def test_penalties_and_logit_bias_follow_openais_definition(served, client, smol
     tokens = arc_tokens(url, r.model_extra["hybridlm"]["arcs"][0])
     assert tokens[0] != first
     tok = smollm2.tokenizer
-    prompt = tok.encode(tok.render_chat(messages, add_generation_prompt=True))
+    prompt = tok.encode_markup(tok.render_chat(messages, add_generation_prompt=True))
     with torch.no_grad():
         logits = smollm2(torch.tensor([prompt + tokens]))[0].double()
     counts: dict[int, int] = {}

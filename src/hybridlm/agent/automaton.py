@@ -149,7 +149,7 @@ class HybridAgent:
         messages = self.protocol.messages(task)
         prompt, marks = self.protocol.prompt_ids_and_marks(messages)  # (the last mark: where the shared part ends)
         if self.tool_choice == "required" and not self.constrain:  # the call forced open enters with the prefill
-            prompt = prompt + self.tokenizer.encode(self.codec.opening)
+            prompt = prompt + self.tokenizer.encode_markup(self.codec.opening)
         T = self.model.config.n_ctx
         if len(prompt) >= T:  # Π_T would cut the system prompt and the tools' schemas away before the first step
             shared = marks[-1] if marks else 0

@@ -229,7 +229,7 @@ def _prompt_ids(prompt: str, model, *, ids: list[int] | None, chat: bool) -> lis
         if tok is None:
             raise InputError(f"model {model.source} has no tokenizer: pass token ids with --ids")
         text = tok.render_chat([{"role": "user", "content": prompt}]) if chat else prompt
-        ids = tok.encode(text)
+        ids = tok.encode_markup(text)
     check_tokens(ids, model.config.vocab_size)
     return ids
 

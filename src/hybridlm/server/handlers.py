@@ -225,7 +225,7 @@ def prepare_completion(service: Service, body: CompletionBody) -> Prepared:
     stop_ids = default_stops(model)
     for p, prompt in enumerate(prompt_list(body.prompt)):
         if isinstance(prompt, str):
-            ids = tok.encode(prompt)
+            ids = tok.encode_markup(prompt)
             text = prompt
         else:
             bad = [i for i in prompt if not 0 <= i < V]

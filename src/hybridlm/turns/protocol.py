@@ -71,7 +71,7 @@ class Protocol:
 
     # ------------------------------------------------------------------ their tokens
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.encode(self.tokenizer.render_chat(messages, add_generation_prompt=True))
+        return self.tokenizer.encode_markup(self.tokenizer.render_chat(messages, add_generation_prompt=True))
 
     def prompt_ids_and_marks(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         """The prompt, and where each message before the last ends in it: the boundaries of its
@@ -81,7 +81,7 @@ class Protocol:
         ids = self.prompt_ids(messages)
         marks = []
         for i in range(1, len(messages)):
-            head = tok.encode(tok.render_chat(messages[:i], add_generation_prompt=False))
+            head = tok.encode_markup(tok.render_chat(messages[:i], add_generation_prompt=False))
             if len(head) < len(ids) and ids[: len(head)] == head:
                 marks.append(len(head))
         return ids, marks
@@ -109,4 +109,4 @@ class Protocol:
         call_end = before[before.rindex(content) + len(content):]
         if turn_closed and tok.end_of_turn_id is not None:
             call_end = call_end.removeprefix(tok.token_str(tok.end_of_turn_id))
-        return tok.encode(call_end + after[len(before):])
+        return tok.encode_markup(call_end + after[len(before):])

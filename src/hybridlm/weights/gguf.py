@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 import hashlib
 import json
-import math
 import os
 import sys
 import warnings
@@ -32,22 +31,22 @@ from typing import Any
 
 import numpy as np
 import torch
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, pre_tokenizers
 
 from hybridlm.lm.config import ModelConfig
 from hybridlm.cache import atomic_write, cache_root, read_json
 from hybridlm.errors import HybridLMError, ModelNotFoundError, WeightsError
 from hybridlm.lm.model import DecoderLM
 from hybridlm.weights.checks import Weights, assemble
-from hybridlm.weights.gguf_header import TensorInfo, read_header
-from hybridlm.tokenizer import Tokenizer, byte_level_bpe
+from hybridlm.weights.gguf_header import MISSING as _MISSING, TensorInfo, meta_value, read_header
+from hybridlm.tokenizer import Tokenizer
+from hybridlm.weights.vocab import tokenizer_from_json, tokenizer_from_metadata, tokenizer_to_json
 # the embedded file is located in registry; these names stay importable from here
 from hybridlm.weights.registry import SMOLLM2_MODULE, SMOLLM2_PACKAGE, smollm2_path
 
 
 
 ARCHITECTURE = "llama"
-CACHE_VERSION = 2  # bump when the cached content changes; old files are then left unused
+CACHE_VERSION = 3  # bump when the cached content changes; old files are then left unused
 CACHE_FORMAT = f"hybridlm-gguf-cache/{CACHE_VERSION}"
 
 #: Storage types hybridlm dequantises (with `gguf.quants.dequantize`) and has tested.
@@ -65,14 +64,6 @@ BLOCK_TENSORS = {
 QKV_TENSORS = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
 GATE_UP_TENSORS = ("ffn_gate.weight", "ffn_up.weight")  # → mlp.W_gate_up = [W_gate; W_up]
 GLOBAL_TENSORS = {"token_embd.weight": "W_e", "output_norm.weight": "ln_final.weight", "output.weight": "W_u"}
-
-#: Token types of `tokenizer.ggml.token_type` (llama.cpp's llama_token_type).
-TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
-#: Pre-tokenizers (`tokenizer.ggml.pre`) that split every digit off before GPT-2's regex.
-DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva")
-GPT2_PRE = ("default", "gpt-2", "gpt2")
-#: Chat-template end-of-turn markers, in order of preference.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
 
 
 # ====================================================================== locating files
@@ -119,29 +110,6 @@ def read_gguf(path: Path, *, progress: str | None = None) -> tuple[ModelConfig, 
         message = str(exc)
         raise WeightsError(message if message.startswith(path.name) else f"{path.name}: {message}") from None
     return cfg, weights, tokenizer
-
-
-_MISSING = object()
-
-
-def meta_value(meta: dict[str, Any], key: str, kind: str, default: Any = _MISSING) -> Any:
-    """meta[key] checked to be of `kind`: "int" (not bool), "number" (finite), "str", "str list", "int list"."""
-    value = meta.get(key, default)
-    if value is _MISSING:
-        raise WeightsError(f"metadata key '{key}' is missing")
-    if value is default:
-        return value
-    ok = {
-        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
-        "str": lambda v: isinstance(v, str),
-        "str list": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-        "int list": lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
-    }[kind](value)
-    if not ok:
-        shown = repr(value) if len(repr(value)) < 60 else f"a {type(value).__name__}"
-        raise WeightsError(f"metadata key '{key}' is {shown}: expected {'an' if kind == 'int' else 'a'} {kind}")
-    return value
 
 
 def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], *, origin: str) -> ModelConfig:
@@ -280,70 +248,6 @@ def split_block_name(name: str) -> tuple[int, str]:
     return int(index), part
 
 
-# ====================================================================== tokenizer
-def tokenizer_from_metadata(meta: dict[str, Any], *, name: str, vocab_size: int | None = None) -> Tokenizer | None:
-    """The byte-level BPE of `tokenizer.ggml.*`, control tokens special; None if the file has none.
-
-    Every key is type-checked; token ids must lie in [0, V) (V = `vocab_size`, or the vocabulary's size).
-    """
-    kind = meta_value(meta, "tokenizer.ggml.model", "str", None)
-    if kind is None:
-        return None
-    if kind != "gpt2":
-        raise WeightsError(
-            f"tokenizer model {kind!r} is not supported; hybridlm builds byte-level BPE ('gpt2') vocabularies"
-        )
-    tokens = meta_value(meta, "tokenizer.ggml.tokens", "str list")
-    types = meta_value(meta, "tokenizer.ggml.token_type", "int list", None) or [1] * len(tokens)
-    if len(types) != len(tokens):
-        raise WeightsError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-    merges = meta_value(meta, "tokenizer.ggml.merges", "str list", None) or []
-    if any(" " not in m for m in merges):
-        bad = next(m for m in merges if " " not in m)
-        raise WeightsError(f"tokenizer.ggml.merges holds {bad[:40]!r}: expected 'left right'")
-    template = meta_value(meta, "tokenizer.chat_template", "str", None)
-    pre = meta_value(meta, "tokenizer.ggml.pre", "str", "default")
-    size = vocab_size or len(tokens)
-    ids = {}
-    for key in ("eos", "bos", "eot"):
-        value = meta_value(meta, f"tokenizer.ggml.{key}_token_id", "int", None)
-        if value is not None and not 0 <= value < size:
-            raise WeightsError(f"tokenizer.ggml.{key}_token_id={value}: expected an id in [0, {size})")
-        ids[key] = value
-    vocab = {token: index for index, token in enumerate(tokens)}
-    try:
-        backend = byte_level_bpe(vocab, [tuple(m.split(" ", 1)) for m in merges],
-                                 [t for t, k in zip(tokens, types) if k == TOKEN_CONTROL])
-        user = [t for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED]
-        if user:
-            backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
-    except Exception as exc:  # the tokenizers library raises its own exception type for a bad vocabulary
-        raise WeightsError(f"the vocabulary and merges do not form a BPE tokenizer ({exc})") from None
-    backend.pre_tokenizer = pre_tokenizer(pre)
-    eot = ids["eot"] if ids["eot"] is not None else end_of_turn(template, vocab)
-    return Tokenizer(backend, eos_id=ids["eos"], bos_id=ids["bos"], chat_template=template, end_of_turn_id=eot,
-                     name=name)
-
-
-def pre_tokenizer(pre: str):
-    """GPT-2's split regex, after isolating every digit for the StarCoder-style vocabularies (SmolLM2)."""
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in DIGIT_SPLIT_PRE:
-        digits = pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated")
-        return pre_tokenizers.Sequence([digits, byte_level])
-    if pre not in GPT2_PRE:
-        warnings.warn(f"hybridlm: GGUF pre-tokenizer {pre!r} is not known; splitting text with GPT-2's regex")
-    return byte_level
-
-
-def end_of_turn(template: str | None, vocab: dict[str, int]) -> int | None:
-    """The id of the marker that ends a turn in the chat template (`<|im_end|>` for ChatML)."""
-    for token in END_OF_TURN_TOKENS:
-        if template and token in template and token in vocab:
-            return vocab[token]
-    return None
-
-
 # ====================================================================== the cache
 def cache_file(digest: str) -> Path:
     return cache_root() / "gguf" / f"{digest}.v{CACHE_VERSION}.safetensors"
@@ -452,19 +356,3 @@ def write_cache(file: Path, cfg: ModelConfig, weights: Weights, tokenizer: Token
             f"hybridlm: could not write the cache file {file} ({exc}); the next load re-reads the GGUF file",
             stacklevel=3,
         )
-
-
-def tokenizer_to_json(tok: Tokenizer | None) -> dict | None:
-    if tok is None:
-        return None
-    return {
-        "backend": tok.backend.to_str(), "eos_id": tok.eos_id, "bos_id": tok.bos_id,
-        "end_of_turn_id": tok.end_of_turn_id, "chat_template": tok.chat_template, "name": tok.name,
-    }
-
-
-def tokenizer_from_json(data: dict | None) -> Tokenizer | None:
-    if data is None:
-        return None
-    backend = HFTokenizer.from_str(data.pop("backend"))
-    return Tokenizer(backend, **data)

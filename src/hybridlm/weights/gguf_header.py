@@ -150,6 +150,35 @@ class _Cursor:
         return None if item == GGUFValueType.ARRAY else values  # nested arrays: skipped, as hybridlm reads none
 
 
+MISSING = object()  # "no default": a missing key is an error
+
+#: what each kind of metadata value `meta_value` accepts
+_KINDS = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "str list": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "int list": lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+    "number list": lambda v: isinstance(v, list) and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v),
+}
+
+
+def meta_value(meta: dict[str, Any], key: str, kind: str, default: Any = MISSING) -> Any:
+    """meta[key] checked to be of `kind`: "int" (not bool), "number" (finite), "bool", "str", "str list",
+    "int list", "number list" (finite); `default` when the key is absent, an error naming it if none is given."""
+    value = meta.get(key, default)
+    if value is MISSING:
+        raise WeightsError(f"metadata key '{key}' is missing")
+    if value is default:
+        return value
+    if not _KINDS[kind](value):
+        shown = repr(value) if len(repr(value)) < 60 else f"a {type(value).__name__}"
+        raise WeightsError(f"metadata key '{key}' is {shown}: expected {'an' if kind == 'int' else 'a'} {kind}")
+    return value
+
+
 def read_header(path: str | os.PathLike) -> Header:
     """Metadata and tensor table of a GGUF file; a WeightsError naming the first bound a field breaks."""
     path = Path(path)

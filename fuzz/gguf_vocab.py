@@ -1,0 +1,89 @@
+"""Fuzz the GGUF vocabulary reader: `tokenizer.ggml.*` values of every kind, well and wrongly typed.
+
+The input drives a FuzzedDataProvider that writes the metadata: the vocabulary type ('gpt2', 'llama' or any
+text), tokens, token types, merges, scores, special ids, the pre-tokenizer's name, the flags; each key
+absent, of its type, or of another. The reader must give a tokenizer that encodes and decodes any text,
+or one WeightsError line; any other exception is a bug.
+"""
+
+import atheris
+
+with atheris.instrument_imports(include=["hybridlm"]):
+    from hybridlm.errors import HybridLMError
+    from hybridlm.weights.vocab import PRE_TOKENIZERS, tokenizer_from_metadata
+
+from common import run
+
+PRE_NAMES = sorted(PRE_TOKENIZERS)
+
+
+def anything(fdp: atheris.FuzzedDataProvider):
+    """A value of a type the key may not expect."""
+    return fdp.PickValueInList([
+        lambda: fdp.ConsumeInt(4), lambda: fdp.ConsumeFloat(), lambda: fdp.ConsumeBool(),
+        lambda: fdp.ConsumeUnicode(8), lambda: [fdp.ConsumeInt(2) for _ in range(fdp.ConsumeIntInRange(0, 4))],
+        lambda: [fdp.ConsumeUnicode(3) for _ in range(fdp.ConsumeIntInRange(0, 4))], lambda: None,
+    ])()
+
+
+def metadata(fdp: atheris.FuzzedDataProvider) -> dict:
+    n = fdp.ConsumeIntInRange(0, 40)
+    tokens = [fdp.ConsumeUnicode(fdp.ConsumeIntInRange(0, 6)) for _ in range(n)]
+    if fdp.ConsumeBool():  # the pieces a SentencePiece vocabulary needs to build anything
+        tokens += ["<unk>", "<s>", "</s>", "\u2581", *[f"<0x{b:02X}>" for b in range(0, 256, 17)]]
+    n = len(tokens)
+    well = {
+        "tokenizer.ggml.model": fdp.PickValueInList(["gpt2", "llama", "llama", "gpt2", fdp.ConsumeUnicode(5)]),
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [fdp.ConsumeIntInRange(-1, 7) if fdp.ConsumeProbability() < 0.2 else 1
+                                      for _ in range(n + fdp.ConsumeIntInRange(-1, 1))],
+        "tokenizer.ggml.scores": [fdp.ConsumeFloat() for _ in range(n + fdp.ConsumeIntInRange(-1, 1))],
+        "tokenizer.ggml.merges": [fdp.PickValueInList(tokens or [""]) + fdp.PickValueInList([" ", "", "  "]) +
+                                  fdp.PickValueInList(tokens or [""]) for _ in range(fdp.ConsumeIntInRange(0, 30))],
+        "tokenizer.ggml.pre": fdp.PickValueInList(PRE_NAMES + [fdp.ConsumeUnicode(6)]),
+        "tokenizer.chat_template": fdp.ConsumeUnicode(20),
+        **{f"tokenizer.ggml.{k}_token_id": fdp.ConsumeIntInRange(-2, n + 2)
+           for k in ("bos", "eos", "eot", "eom", "unknown", "padding")},
+        **{f"tokenizer.ggml.{k}": fdp.ConsumeBool() for k in ("add_bos_token", "add_eos_token", "add_space_prefix")},
+    }
+    meta = {}
+    for key, value in well.items():
+        choice = fdp.ConsumeIntInRange(0, 9)
+        if choice == 0:
+            continue  # absent
+        meta[key] = anything(fdp) if choice == 1 else value
+    return meta
+
+
+def test_one_input(data: bytes) -> None:
+    fdp = atheris.FuzzedDataProvider(data)
+    meta = metadata(fdp)
+    text = fdp.ConsumeUnicode(64)
+    try:
+        tok = tokenizer_from_metadata(meta, name="fuzz", vocab_size=fdp.PickValueInList([None, 50]))
+    except HybridLMError as exc:
+        if "\n" in str(exc):
+            raise AssertionError(f"the error is not one line: {exc}") from None
+        return
+    if tok is None:
+        return
+    try:
+        exercise(tok, text)
+    except HybridLMError as exc:  # text that is no Unicode (a lone surrogate) is refused in one line
+        if "\n" in str(exc):
+            raise AssertionError(f"the error is not one line: {exc}") from None
+
+
+def exercise(tok, text: str) -> None:
+    """Both encodings, decoding, token texts, BOS/EOS framing; untrusted text never gives a special token."""
+    for ids in (tok.encode(text), tok.encode_markup(text)):
+        tok.decode(ids)
+        [tok.token_str(i) for i in ids]
+        tok.with_special(ids)
+    if set(tok.encode(text)) & tok.special_ids:
+        raise AssertionError(f"untrusted text {text!r} gave a special token")
+    tok.table.starting_with("<")
+
+
+if __name__ == "__main__":
+    run(test_one_input)
