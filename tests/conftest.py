@@ -1,6 +1,7 @@
 """Shared fixtures. Tests use local files only: no model hub."""
 
 import os
+from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -65,3 +66,41 @@ def smollm2():
     from hybridlm import load_model
 
     return load_model()
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_source():
+    """llama.cpp's source tree (`vendor/llama.cpp`: its converter `convert_hf_to_gguf.py` with its own
+    `gguf-py`, `models/`, `ggml/src/`) from the source distribution of the installed llama-cpp-python,
+    fetched with pip into hybridlm's cache once and unpacked once (renamed into place when whole)."""
+    import shutil
+    import subprocess
+    import sys
+    import tarfile
+    import tempfile
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from hybridlm.cache import cache_root
+
+    version = llama_cpp.__version__
+    root = cache_root() / "references"
+    tree = root / f"llama_cpp_python-{version}"
+    source = tree / "vendor" / "llama.cpp"
+    if source.is_dir():
+        return source
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as scratch:
+        fetched = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--dest", scratch,
+             f"llama-cpp-python=={version}"], capture_output=True, text=True, timeout=600)
+        archives = list(Path(scratch).glob("llama_cpp_python-*.tar.gz"))
+        if fetched.returncode or not archives:
+            pytest.skip(f"llama-cpp-python {version}'s source distribution is not reachable: {fetched.stderr[-300:]}")
+        with tarfile.open(archives[0]) as archive:
+            archive.extractall(scratch, filter="data")
+        unpacked = Path(scratch) / f"llama_cpp_python-{version}"
+        try:
+            unpacked.rename(tree)
+        except OSError:  # another session renamed its copy first
+            shutil.rmtree(unpacked, ignore_errors=True)
+    return source

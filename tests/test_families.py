@@ -209,3 +209,52 @@ def test_unknown_model_type_lists_the_families(tmp_path, folders):
     folder = copy_folder(folders["qwen2"][0], tmp_path / "bad", config_change=lambda hf: hf.update(model_type="mamba"))
     with pytest.raises(HybridLMError, match="mamba.*gemma3_text.*qwen2"):
         load_hub_folder(folder)
+
+
+# ====================================================================== GGUF files of llama.cpp's converter
+@pytest.fixture(scope="module")
+def ggufs(folders, llama_cpp_source, tmp_path_factory):
+    """{family: GGUF file} written by llama.cpp's converter from each folder (float32). The converter
+    writes no sliding window for Mistral (llama.cpp's `llama` architecture has none); the window of the
+    folder's config is added to that file's metadata (`llama.attention.sliding_window`)."""
+    from families import convert, with_metadata
+
+    root = tmp_path_factory.mktemp("ggufs")
+    jobs = {name: (folders[name][0], root / f"{name}.gguf") for name in FAMILIES}
+    convert(llama_cpp_source, list(jobs.values()))
+    out = {name: out for name, (_, out) in jobs.items()}
+    out["mistral (as converted)"] = out["mistral"]
+    out["mistral"] = with_metadata(out["mistral"], root / "mistral-window.gguf",
+                                   {"llama.attention.sliding_window": WINDOW})
+    return out
+
+
+def gguf_model(path):
+    from hybridlm.weights.gguf import load_gguf_model
+
+    return load_gguf_model(path, tokenizer=False)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_converted_gguf_logits_match_transformers_on_the_folder(folders, ggufs, name):
+    model = gguf_model(ggufs[name])
+    s = ids()
+    with torch.no_grad():
+        delta = (model(s) - folders[name][1](s).logits).abs().max().item()
+    print(f"{name}: converter's GGUF, max |Δlogit| = {delta:.2e}")
+    assert delta <= TOL
+    prompt = ids(N, seed=1)
+    with torch.no_grad():
+        theirs = folders[name][1].generate(prompt, max_new_tokens=32, do_sample=False, min_new_tokens=32,
+                                           pad_token_id=0)
+    assert greedy(model, prompt[0].tolist()) == theirs[0, N:].tolist()
+
+
+def test_mistral_as_converted_matches_within_its_window(folders, ggufs):
+    """llama.cpp's converter drops Mistral's window: within one window the file still gives the
+    folder's logits; past it, the file has no window to apply."""
+    model = gguf_model(ggufs["mistral (as converted)"])
+    assert model.config.attention_layers is None
+    s = ids(WINDOW)
+    with torch.no_grad():
+        assert (model(s) - folders["mistral"][1](s).logits).abs().max().item() <= TOL
