@@ -258,3 +258,46 @@ def test_mistral_as_converted_matches_within_its_window(folders, ggufs):
     s = ids(WINDOW)
     with torch.no_grad():
         assert (model(s) - folders["mistral"][1](s).logits).abs().max().item() <= TOL
+
+
+# ====================================================================== quantised files
+#: llama.cpp's file types quantised here (every block type Q8_0, Q4_0–Q5_1, Q2_K–Q6_K occurs in them).
+QUANTS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K")
+QUANT_FAMILIES = ("qwen2", "llama3", "gemma3")
+
+
+@pytest.fixture(scope="module")
+def quantised(llama_cpp_source, tmp_path_factory):
+    """{(family, file type): (folder, GGUF file)}: models of rows of 256 (K-quant super-blocks),
+    converted by llama.cpp's converter and quantised by its quantiser."""
+    from families import convert, quantize
+
+    root = tmp_path_factory.mktemp("quantised")
+    for name in QUANT_FAMILIES:
+        make_folder(name, root / name, seed=7, wide=True)
+    convert(llama_cpp_source, [(root / name, root / f"{name}-F32.gguf") for name in QUANT_FAMILIES])
+    quantize([(root / f"{name}-F32.gguf", root / f"{name}-{kind}.gguf", kind)
+              for name in QUANT_FAMILIES for kind in QUANTS])
+    return {(name, kind): (root / name, root / f"{name}-{kind}.gguf") for name in QUANT_FAMILIES for kind in QUANTS}
+
+
+def test_every_block_type_occurs(quantised):
+    from hybridlm.weights.gguf_header import read_header
+
+    kinds = {t.kind.name for _, path in quantised.values() for t in read_header(path).tensors}
+    assert {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"} <= kinds
+
+
+@pytest.mark.parametrize("kind", QUANTS)
+@pytest.mark.parametrize("name", QUANT_FAMILIES)
+def test_quantised_file_matches_transformers_on_its_dequantised_weights(quantised, name, kind):
+    from families import dequantised_reference
+
+    folder, path = quantised[(name, kind)]
+    ref = dequantised_reference(folder, path, name)
+    model = gguf_model(path)
+    s = ids()
+    with torch.no_grad():
+        delta = (model(s) - ref(s).logits).abs().max().item()
+    print(f"{name} {kind}: max |Δlogit| = {delta:.2e}")
+    assert delta <= TOL
