@@ -161,15 +161,16 @@ def quantize(jobs: list[tuple[Path, Path, str]]) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def with_metadata(source: Path, out: Path, extra: dict) -> Path:
-    """A copy of a GGUF file with metadata keys added (gguf-py's reader and writer)."""
+def with_metadata(source: Path, out: Path, extra: dict, drop: tuple[str, ...] = ()) -> Path:
+    """A copy of a GGUF file with metadata keys set (unsigned 32-bit integers) and tensors `drop`ped
+    (gguf-py's reader and writer)."""
     import gguf
 
     reader = gguf.GGUFReader(source)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(out, arch)
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
+        if key.startswith("GGUF.") or key == "general.architecture" or key in extra:
             continue
         kind = field.types[0]
         if kind == gguf.GGUFValueType.ARRAY:
@@ -179,7 +180,9 @@ def with_metadata(source: Path, out: Path, extra: dict) -> Path:
     for key, value in extra.items():
         writer.add_uint32(key, value)
     for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.shape.tolist()[::-1], raw_dtype=tensor.tensor_type)
+        if tensor.name not in drop:
+            writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.shape.tolist()[::-1],
+                              raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -164,6 +164,17 @@ def test_logits_match_transformers_reading_the_same_gguf(name, tmp_path):
     assert delta <= 1e-3
 
 
+def test_models_lists_the_real_files_with_their_grid():
+    from hybridlm.weights.loading import available_models
+
+    for name in REAL:
+        real_path(name)
+    rows = {r["name"]: r for r in available_models()}
+    for name in REAL:
+        assert rows[name]["available"] and rows[name]["grid"].startswith("Q4_K_M: ")
+        assert "Q4_K ×" in rows[name]["grid"] and "Q6_K ×" in rows[name]["grid"]
+
+
 # ---------------------------------------------------------------------- the Qwen file in use
 @pytest.fixture(scope="module")
 def qwen():
