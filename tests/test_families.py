@@ -296,8 +296,8 @@ def test_mistral_as_converted_matches_within_its_window(folders, ggufs):
 def test_a_gguf_that_contradicts_itself_is_one_line_exit_2(ggufs, tmp_path, change, fragment):
     """Named before any tensor is dequantised, and `hybridlm generate` exits 2 with that one line."""
     from click.testing import CliRunner
-
     from families import with_metadata
+
     from hybridlm.cli import cli
 
     bad = with_metadata(ggufs["gemma3"], tmp_path / "bad.gguf", change.get("extra", {}), change.get("drop", ()))
