@@ -1,4 +1,5 @@
-"""Fuzz the GGUF reader: header (counts, lengths, types), metadata checks, tokenizer, tensors.
+"""Fuzz the GGUF reader: header (counts, lengths, types), metadata checks of every architecture in the
+family registry, tokenizer, tensors.
 
 Any exception other than WeightsError (and the other HybridLMError input errors) is a bug.
 """
@@ -18,9 +19,11 @@ def test_one_input(data: bytes) -> None:
     path = scratch("input.gguf", data)
     try:
         header = read_header(path)
-        cfg = config_from_metadata(header.metadata, {t.name for t in header.tensors}, origin="input.gguf")
+        cfg = config_from_metadata(header.metadata, header, origin="input.gguf")
         tokenizer_from_metadata(header.metadata, name="input", vocab_size=cfg.vocab_size)
-        weights_from_tensors(header.tensors, cfg)
+        weights = weights_from_tensors(header.tensors, cfg, origin="input.gguf")
+        for name in weights:  # every tensor dequantised, stacked and permuted as the family says
+            weights[name]
     except HybridLMError:
         pass
 

@@ -57,6 +57,89 @@ def tiny_gguf(path: Path, *, tensors: bool) -> bytes:
     return path.read_bytes()
 
 
+#: Small GGUF files of the other registry architectures: the keys each reads and the parts it adds
+#: (Qwen2's biases, Phi-3's stacked tensors and long/short rotary factors, Gemma 3's QK-norm, post-norms,
+#: window pattern and local rotary base).
+FAMILY_SEEDS = {
+    "qwen2": dict(parts=dict(attn_bias=True), keys={}),
+    "phi3": dict(parts={}, keys={"rope.scaling.original_context_length": 8}, rope_factors=True),
+    "gemma3": dict(parts=dict(qk_norm=True, post_norms=True, mlp="geglu"),
+                   keys={"attention.sliding_window": 4, "rope.freq_base_swa": 10000.0, "attention.key_length": 16,
+                         "attention.value_length": 16, "final_logit_softcapping": 30.0}),
+}
+
+
+def family_gguf(path: Path, arch: str) -> bytes:
+    """A two-block model of GGUF architecture `arch` (d = 32, 2 heads of 16, 1 key/value head, V = 8),
+    matrices in Q8_0, named as the family registry names them."""
+    import torch
+
+    from hybridlm.lm.config import ModelConfig
+    from hybridlm.lm.model import DecoderLM
+    from hybridlm.weights.families import FAMILIES, GLOBAL
+
+    family, seed = FAMILIES[arch], FAMILY_SEEDS[arch]
+    parts = dict(norm="rmsnorm", positions="rotary", mlp="swiglu", attn_bias=False, attn_out_bias=False,
+                 mlp_bias=False)
+    cfg = ModelConfig(family=arch, vocab_size=8, n_ctx=16, d_model=32, n_layer=2, n_head=2, n_kv_head=1, d_mlp=32,
+                      head_dim=16, **{**parts, **seed["parts"]})
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in DecoderLM(cfg).state_dict().items()}
+    rng = np.random.default_rng(1)
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in {"context_length": 16, "embedding_length": 32, "block_count": 2, "feed_forward_length": 32,
+                       "attention.head_count": 2, "attention.head_count_kv": 1, "vocab_size": 8,
+                       **seed["keys"]}.items():
+        (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_float32(f"{arch}.rope.freq_base", 1e6)
+    for ours, shape in shapes.items():
+        if ours in GLOBAL:
+            names = [GLOBAL[ours][0]]
+        else:
+            _, layer, rest = ours.split(".", 2)
+            path_, _, suffix = rest.rpartition(".")
+            names = [f"blk.{layer}.{stem}.{suffix}" for stem in family.block[path_][0]]
+        rows = [shape[0] // len(names)] * len(names)
+        if len(names) == 3:  # W_Q, W_K, W_V
+            rows = [cfg.n_head * 16, 16, 16]
+        for name, n in zip(names, rows):
+            if len(shape) == 1:
+                writer.add_tensor(name, rng.standard_normal(n).astype(np.float32))
+            else:
+                data = gguf.quants.quantize(rng.standard_normal((n, shape[1])).astype(np.float32),
+                                            gguf.GGMLQuantizationType.Q8_0)
+                writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    if seed.get("rope_factors"):
+        for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+            writer.add_tensor(name, (1 + rng.random(8)).astype(np.float32))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", "ab", "c", "<|im_start|>", "<|im_end|>", "d", "e"])
+    writer.add_token_types([1, 1, 1, 1, 3, 3, 1, 1])
+    writer.add_token_merges(["a b"])
+    writer.add_eos_token_id(5)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.read_bytes()
+
+
+def family_hub_seed(tmp: Path, name: str) -> bytes:
+    """A two-block Qwen3 or Gemma 3 folder written by transformers (d = 8), as the harness's one input."""
+    import transformers as T
+
+    config_class, model_class, extra = {
+        "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(head_dim=4)),
+        "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM, dict(head_dim=4, sliding_window=4)),
+    }[name]
+    config = config_class(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8, **extra)
+    model_class(config).save_pretrained(tmp / name)
+    config = (tmp / name / "config.json").read_bytes()
+    return struct.pack("<I", len(config)) + config + (tmp / name / "model.safetensors").read_bytes()
+
+
 def hub_seed(tmp: Path) -> bytes:
     """A one-block GPT-2 (d = 8, 2 heads, V = 16, T = 8) in the hub layout, as the harness's one input."""
     from hybridlm.lm.config import ModelConfig
@@ -169,6 +252,10 @@ def main() -> None:
         write("gguf_reader", "tiny_llama.gguf", tiny_gguf(tmp / "a.gguf", tensors=True))
         write("gguf_reader", "metadata_only.gguf", tiny_gguf(tmp / "b.gguf", tensors=False))
         write("hub_reader", "tiny_gpt2.bin", hub_seed(tmp))
+        for arch in FAMILY_SEEDS:
+            write("gguf_reader", f"tiny_{arch}.gguf", family_gguf(tmp / f"{arch}.gguf", arch))
+        for name in ("qwen3", "gemma3"):
+            write("hub_reader", f"tiny_{name}.bin", family_hub_seed(tmp, name))
     write("trace_reader", "arc.jsonl", trace_seed())
     for i, seed in enumerate(vocab_seeds()):
         write("gguf_vocab", f"metadata{i}.bin", seed)

@@ -48,7 +48,7 @@ def block_step(model: DecoderLM, block: Block, h: torch.Tensor, pos: torch.Tenso
     if hasattr(block, "mixer_step"):  # a recurrent block of hybridlm.ssm: its mixer sublayer alone
         return block.mixer_step(h, pos)
     h = block.hook_resid_pre(h)
-    return block.hook_resid_post(h + block.hook_attn_out(block.attn(block.ln1(h), pos, None, model.rotary)))
+    return block.hook_resid_post(h + block.hook_attn_out(block.attention_sublayer(h, pos, None, model.rotary)))
 
 
 def reinit(model: DecoderLM, seed: int, *, part=None) -> None:

@@ -9,6 +9,13 @@ and its "local" blocks use a banded mask of width w (`local_window`): M(i, j) = 
 i − w < j ≤ i, −∞ otherwise. Where every key lies inside the band (n ≤ w) the band is the
 plain causal mask, so the local mask is applied only when it cuts something.
 
+Other families add parts, each off by default (`ModelConfig`): a head size d_k apart from
+d / N_h; the RMSNorm of each head's q and k before the rotation (`q_norm`, `k_norm`: Qwen3,
+Gemma 3), whose output is what `hook_q` and `hook_k` see; the scores capped, S ↦ c·tanh(S/c)
+before the mask (Gemma 2: `attn_softcap`), with `hook_attn_scores` seeing the capped S; and
+a local block's own rotary table (`Rotary.local`, Gemma 3). Capped scores are always formed
+explicitly (PyTorch's fused kernel and the compiled decode step do not cap).
+
 With grouped-query attention (Llama) N_h query heads share N_kv key/value heads, head m
 reading key/value head ⌊m / (N_h/N_kv)⌋. The three projections are one fused matrix
 W_qkv; `W_Q`, `W_K`, `W_V` give the per-equation views.
@@ -34,6 +41,7 @@ from hybridlm.lm.config import ModelConfig
 from hybridlm.lm.direct import DirectModule
 from hybridlm.lm.hooks import HookPoint
 from hybridlm.lm.linear import Linear
+from hybridlm.lm.norm import RMSNorm
 from hybridlm.lm.positions import Rotary
 from hybridlm.lm.state import ForkedState, KVState, StateBatch
 
@@ -48,6 +56,10 @@ class Attention(DirectModule):
         self.W_O = Linear(cfg.n_head * cfg.d_head, cfg.d_model, bias=cfg.attn_out_bias)
         self.scale = 1.0 / math.sqrt(cfg.d_head) if cfg.attn_scale is None else cfg.attn_scale
         self.window = cfg.window(layer)  # None: global (causal) mask
+        self.softcap = cfg.attn_softcap  # None: scores uncapped
+        self.local_rope = cfg.rope_local_theta is not None and self.window is not None  # reads `Rotary.local`
+        self.q_norm = RMSNorm(cfg.d_head, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.d_head, cfg.norm_eps) if cfg.qk_norm else None
         # [B, pos, head, d_k] for q, k, v, z; [B, head, query_pos, key_pos] for scores, pattern
         self.hook_q = HookPoint()
         self.hook_k = HookPoint()
@@ -84,6 +96,10 @@ class Attention(DirectModule):
     ) -> torch.Tensor:
         B, m, _ = z.shape
         heads = self.W_qkv(z).view(B, m, self.n_head + 2 * self.n_kv_head, self.d_head)  # [B, pos, head, d_k]
+        if self.q_norm is not None:
+            heads = self._normed(heads)
+        if rotary is not None and self.local_rope:
+            rotary = rotary.local
         if isinstance(state, StateBatch):
             o = self._ragged(heads, pos, state, rotary)
         elif isinstance(state, ForkedState):
@@ -92,11 +108,17 @@ class Attention(DirectModule):
             o = self._attend(heads, pos, state, rotary)
         return self.W_O(o.reshape(B, m, self.n_head * self.d_head))
 
+    def _normed(self, heads):
+        """q and k of every head through their RMSNorms (v as it is)."""
+        H, H_kv = self.n_head, self.n_kv_head
+        q, k, v = heads[:, :, :H], heads[:, :, H : H + H_kv], heads[:, :, H + H_kv :]
+        return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=2)
+
     def _attend(self, heads, pos, state, rotary):
         """O = A V of every head, [B, m, H, d_k] (after hook_z), from the fused projections."""
         B, m = heads.shape[:2]
         H, H_kv = self.n_head, self.n_kv_head
-        if (m == 1 and state is not None and heads.dtype == torch.float32 and heads.is_cpu
+        if (m == 1 and state is not None and self.softcap is None and heads.dtype == torch.float32 and heads.is_cpu
                 and not (heads.requires_grad and torch.is_grad_enabled())):  # (C keeps no graph)
             o = self._decode_step(heads, state, rotary)  # O [B, 1, H, d]
             if o is not None:
@@ -111,7 +133,7 @@ class Attention(DirectModule):
         if state is not None:
             k, v = state.write(self.layer, k, v)
         window = self.window if self.window is not None and k.shape[2] > self.window else None
-        if self.hook_attn_scores.active or self.hook_pattern.active:
+        if self.hook_attn_scores.active or self.hook_pattern.active or self.softcap is not None:
             o = self._explicit(q, k, v, pos, window)
         else:
             o = self._fused(q, k, v, pos, window)
@@ -121,7 +143,7 @@ class Attention(DirectModule):
         """A ragged batch (one new row per sequence, each against its own state): in one compiled
         call when nothing watches, else row by row, each row exactly as if it were alone (its
         hooks see that row, with `ctx.pos` its position)."""
-        if not self._watched() and heads.dtype == torch.float32 and heads.is_cpu:
+        if not self._watched() and heads.dtype == torch.float32 and heads.is_cpu and self.softcap is None:
             o = self._batch_step(heads, batch, rotary)
             if o is not None:
                 return o
@@ -141,7 +163,7 @@ class Attention(DirectModule):
         0..n−1 (shared, one product for all k) and its own key n; S and A are formed explicitly,
         [k, H, 1, n + 1], so every hook point sees them as in any decode step."""
         k_rows, H, H_kv, d = heads.shape[0], self.n_head, self.n_kv_head, self.d_head
-        if not self._watched() and heads.dtype == torch.float32 and heads.is_cpu:
+        if not self._watched() and heads.dtype == torch.float32 and heads.is_cpu and self.softcap is None:
             o = self._fork_step(heads, fork, rotary)
             if o is not None:
                 return o
@@ -159,7 +181,7 @@ class Attention(DirectModule):
         q = q[:, 0].reshape(k_rows, H_kv, g, d)  # [k, H_kv, g, d]
         shared = torch.einsum("bjgd,jtd->bjgt", q, K)  # [k, H_kv, g, n − first]
         own = (q * k[:, 0, :, None, :]).sum(-1, keepdim=True)  # [k, H_kv, g, 1]
-        scores = torch.cat([shared, own], dim=-1).reshape(k_rows, H, 1, -1) * self.scale
+        scores = self._capped(torch.cat([shared, own], dim=-1).reshape(k_rows, H, 1, -1) * self.scale)
         if first:
             scores = torch.cat([scores.new_full((k_rows, H, 1, first), float("-inf")), scores], dim=-1)
         S = self.hook_attn_scores(scores)
@@ -265,6 +287,7 @@ class Attention(DirectModule):
         n_keys, H_kv = k.shape[2], self.n_kv_head
         if m * (H // H_kv) <= _ONE_BLOCK:  # few rows: one block, S, A and O formed in place, no copies
             scores = (q.reshape(B, H_kv, -1, d) @ k.transpose(-1, -2)).view(B, H, m, n_keys).mul_(self.scale)
+            scores = self._capped(scores)
             if m > 1 or window is not None:  # (a decode step's one query row sees every key)
                 scores.masked_fill_(~causal_mask(pos, n_keys, window), float("-inf"))
             pattern = torch.softmax(scores, dim=-1)
@@ -275,7 +298,7 @@ class Attention(DirectModule):
             r1 = min(m, r0 + _ROW_BLOCK)
             reach = int(pos[r1 - 1]) + 1  # positions increase along the rows
             s = (q[:, :, r0:r1].reshape(B, H_kv, -1, d) @ k[:, :, :reach].transpose(-1, -2)).view(B, H, -1, reach)
-            s.mul_(self.scale).masked_fill_(~causal_mask(pos[r0:r1], reach, window), float("-inf"))
+            s = self._capped(s.mul_(self.scale)).masked_fill_(~causal_mask(pos[r0:r1], reach, window), float("-inf"))
             a = torch.softmax(s, dim=-1)
             scores[:, :, r0:r1, :reach] = s
             scores[:, :, r0:r1, reach:] = float("-inf")
@@ -283,6 +306,10 @@ class Attention(DirectModule):
             pattern[:, :, r0:r1, reach:] = 0.0
             o[:, :, r0:r1] = (a.view(B, H_kv, -1, reach) @ v[:, :, :reach]).view(B, H, -1, d)
         return self._hooked(scores, pattern, o, v)
+
+    def _capped(self, scores):
+        """S ↦ c·tanh(S/c) where the family caps its scores (before the mask, so a masked −∞ stays −∞)."""
+        return scores if self.softcap is None else torch.tanh(scores / self.softcap) * self.softcap
 
     def _hooked(self, scores, pattern, o, v):
         """Pass S and A through their hooks; a replaced S or A gets A and O recomputed from it."""

@@ -12,12 +12,23 @@ spec map to fields as follows:
 | N_h    | n_head       | query heads per block                    |
 | N_kv   | n_kv_head    | key/value heads (N_kv = N_h: no grouping)|
 | d_mlp  | d_mlp        | MLP hidden width                         |
+| d_k    | d_head       | head size (`head_dim`; None: d / N_h)    |
 
 The families differ only in the parts: `norm` (layernorm | rmsnorm), `positions`
-(learned | rotary), `mlp` (gelu | swiglu), the biases, weight tying, and the attention:
+(learned | rotary), `mlp` (gelu | swiglu | geglu), the biases, weight tying, and the attention:
 `attn_scale` multiplies the scores Q Kᵀ (None: 1/√d_k; GPT-Neo: 1), and
 `attention_layers` names each block's mask, "global" (M_n: j ≤ i) or "local" (also
 j > i − `local_window`); None means all global.
+
+The rotation: θ_j = base^(−2j/d_k) / f_j with base `rope_theta` and per-pair divisors f_j
+(`rope_freq_factors`, None: all 1), which carry every frequency rescaling (Llama 3's, linear,
+Phi-3's long-context factors); cos θ and sin θ are multiplied by `rope_attn_factor`. A local
+block rotates with base `rope_local_theta` and no divisors where that is set (Gemma 3).
+
+Parts a family may add, each off by default: `qk_norm` (RMSNorm of each head's q and k,
+Qwen3, Gemma 3), `post_norms` (a norm on each sublayer's output before the residual sum,
+Gemma 2/3), `attn_softcap` and `final_softcap` (s ↦ c·tanh(s/c) on the scores and the
+logits, Gemma 2), `embed_scale` (H⁽⁰⁾ multiplied by it, Gemma: √d).
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from hybridlm.errors import ConfigError
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
-MLPS = ("gelu", "swiglu")
+MLPS = ("gelu", "swiglu", "geglu")
 ATTENTION_TYPES = ("global", "local")
 #: Upper bounds on the sizes, far above any published decoder (Llama 3.1 405B: V = 128,256,
 #: d = 16,384, L = 126, d_mlp = 53,248; the longest contexts ~2²⁰): a config past them is an
@@ -51,10 +62,14 @@ class ModelConfig:
     n_head: int = 12
     n_kv_head: int | None = None
     d_mlp: int | None = None
+    head_dim: int | None = None  # d_k; None: d / N_h
     norm: str = "layernorm"
     norm_eps: float = 1e-5
     positions: str = "learned"
     rope_theta: float = 10000.0
+    rope_freq_factors: tuple[float, ...] | None = None  # f_j, one per rotated pair (d_k / 2); None: all 1
+    rope_attn_factor: float = 1.0  # cos θ and sin θ multiplied by it
+    rope_local_theta: float | None = None  # the base of local blocks (no divisors); None: as global ones
     mlp: str = "gelu"
     attn_bias: bool = True  # b_Q, b_K, b_V
     attn_out_bias: bool = True  # b_O
@@ -62,6 +77,11 @@ class ModelConfig:
     attention_layers: tuple[str, ...] | None = None  # per block "global" | "local"; None: all global
     local_window: int = 256
     mlp_bias: bool = True
+    qk_norm: bool = False  # RMSNorm over each head's q and k before the rotation
+    post_norms: bool = False  # a norm on each sublayer's output before its residual sum
+    attn_softcap: float | None = None  # S ↦ c·tanh(S/c) before the mask
+    final_softcap: float | None = None  # z ↦ c·tanh(z/c)
+    embed_scale: float | None = None  # H⁽⁰⁾ = embed_scale · U(s) W_e (+ P W_p)
     tie_embeddings: bool = True
     bos_token_id: int | None = None
     eos_token_id: int | None = 50256
@@ -73,15 +93,16 @@ class ModelConfig:
             object.__setattr__(self, "n_kv_head", self.n_head)
         if self.d_mlp is None:
             object.__setattr__(self, "d_mlp", 4 * self.d_model)
-        if isinstance(self.attention_layers, list):  # JSON gives lists
-            object.__setattr__(self, "attention_layers", tuple(self.attention_layers))
+        for name in ("attention_layers", "rope_freq_factors"):
+            if isinstance(getattr(self, name), list):  # JSON gives lists
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         self.validate()
 
     # ------------------------------------------------------------------ derived sizes
     @property
     def d_head(self) -> int:
-        """d_k = d / N_h."""
-        return self.d_model // self.n_head
+        """d_k: `head_dim`, or d / N_h."""
+        return self.d_model // self.n_head if self.head_dim is None else self.head_dim
 
     @property
     def group_size(self) -> int:
@@ -93,6 +114,12 @@ class ModelConfig:
         if self.attention_layers is not None and self.attention_layers[layer] == "local":
             return self.local_window
         return None
+
+    def rope_base(self, layer: int) -> tuple[float, tuple[float, ...] | None]:
+        """(base, divisors f_j) of block `layer`'s rotation."""
+        if self.rope_local_theta is not None and self.window(layer) is not None:
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_freq_factors
 
     def validate(self) -> None:
         if not isinstance(self.family, str):
@@ -114,7 +141,11 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ConfigError(f"config field {name}={value!r}: expected a token id (an integer ≥ 0) or null")
-        if self.d_model % self.n_head:
+        if self.head_dim is not None and (isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int)
+                                          or not 1 <= self.head_dim <= MAX_SIZES["d_model"]):
+            raise ConfigError(f"config field head_dim={self.head_dim!r}: expected a positive integer, "
+                              "or null for d / N_h")
+        if self.head_dim is None and self.d_model % self.n_head:
             raise ConfigError(
                 f"d_model={self.d_model} is not divisible by n_head={self.n_head}: "
                 "each head needs d_k = d / N_h dimensions"
@@ -133,10 +164,23 @@ class ModelConfig:
             raise ConfigError(f"rotary positions need an even head size, got d_k={self.d_head}")
         if not self.norm_eps > 0 or not self.rope_theta > 0:
             raise ConfigError(f"norm_eps={self.norm_eps!r}, rope_theta={self.rope_theta!r}: expected positive numbers")
-        scale = self.attn_scale
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                                  or not math.isfinite(scale) or scale <= 0):
-            raise ConfigError(f"attn_scale={self.attn_scale!r}: expected a positive number, or None for 1/√d_k")
+        for name, meaning in (("attn_scale", "1/√d_k"), ("attn_softcap", "no cap"), ("final_softcap", "no cap"),
+                              ("embed_scale", "1"), ("rope_local_theta", "rope_theta")):
+            if not _positive_or_none(getattr(self, name)):
+                raise ConfigError(f"{name}={getattr(self, name)!r}: expected a positive number, or None for {meaning}")
+        if not _positive_or_none(self.rope_attn_factor) or self.rope_attn_factor is None:
+            raise ConfigError(f"rope_attn_factor={self.rope_attn_factor!r}: expected a positive number")
+        factors = self.rope_freq_factors
+        if factors is not None:
+            if not isinstance(factors, tuple) or not all(_positive_or_none(f) and f is not None for f in factors):
+                raise ConfigError(f"rope_freq_factors={str(factors)[:60]}: expected a list of positive numbers, "
+                                  "or null")
+            if len(factors) != self.d_head // 2:
+                raise ConfigError(f"rope_freq_factors has {len(factors)} entries: the rotation of d_k={self.d_head} "
+                                  f"has {self.d_head // 2} pairs")
+        for name in ("qk_norm", "post_norms"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"config field {name}={getattr(self, name)!r}: expected true or false")
         if isinstance(self.local_window, bool) or not isinstance(self.local_window, int) or self.local_window < 1:
             raise ConfigError(f"local_window={self.local_window!r}: expected a positive integer")
         layers = self.attention_layers
@@ -173,6 +217,11 @@ class ModelConfig:
         if unknown:
             raise ConfigError(f"unknown config fields {unknown}; known fields: {sorted(names)}")
         return cls(**data)
+
+
+def _positive_or_none(value: Any) -> bool:
+    return value is None or (not isinstance(value, bool) and isinstance(value, (int, float))
+                             and math.isfinite(value) and value > 0)
 
 
 def _gpt2(d_model: int, n_layer: int, n_head: int) -> ModelConfig:

@@ -1,8 +1,9 @@
-"""The MLP sublayer: GELU-tanh (GPT-2) and SwiGLU (Llama).
+"""The MLP sublayer: GELU-tanh (GPT-2), SwiGLU (Llama) and GeGLU (Gemma).
 
 GPT-2: σ_act(R W_fc + 𝟏b_fcᵀ) W_proj + 𝟏b_projᵀ with σ_act the tanh form of GELU,
 0.5x(1 + tanh(√(2/π)(x + 0.044715x³))) (docs/theory.md §2).
 SwiGLU: (silu(R W_gate) ⊙ R W_up) W_down.
+GeGLU: (σ_act(R W_gate) ⊙ R W_up) W_down, the gate through GELU-tanh.
 
 A token step's rows take the compiled activations of `hybridlm.lm.kernels` (layer.c), the ones a
 compiled block runs, so a block has the same bits whether it runs compiled or staged.
@@ -63,10 +64,23 @@ class SwiGLU(DirectModule):
         gate_up, d = self.W_gate_up(r), self.d_mlp
         gate, up = gate_up[..., :d], gate_up[..., d:]  # (slices: cheaper than Tensor.split's Python wrapper)
         gate, up = self.hook_pre(gate), self.hook_pre_linear(up)
+        return self.W_down(self.hook_post(self.gated(gate, up)))
+
+    @staticmethod
+    def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         kernel = kernels.step_kernel((gate, up))
-        post = F.silu(gate) * up if kernel is None else kernel.swiglu(gate, up)
-        return self.W_down(self.hook_post(post))
+        return F.silu(gate) * up if kernel is None else kernel.swiglu(gate, up)
+
+
+class GeGLU(SwiGLU):
+    """SwiGLU's parts and hook points with the gate through GELU-tanh (Gemma). The compiled blocks
+    compute SwiGLU only, so a block with this MLP takes its parts' forwards."""
+
+    @staticmethod
+    def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        kernel = kernels.step_kernel((gate,))
+        return (F.gelu(gate, approximate="tanh") if kernel is None else kernel.gelu(gate)) * up
 
 
 def make_mlp(cfg: ModelConfig) -> nn.Module:
-    return {"gelu": GeluMLP, "swiglu": SwiGLU}[cfg.mlp](cfg)
+    return {"gelu": GeluMLP, "swiglu": SwiGLU, "geglu": GeGLU}[cfg.mlp](cfg)

@@ -6,8 +6,11 @@
     Y    = LN_f(H⁽ᴸ⁾) W_u,   z(s) = last row of Y                (readout)
 
 One implementation serves every family; the parts that differ (norm, positions, MLP,
-key/value grouping, biases, tying, score scale, global/local attention) are chosen by the
-`ModelConfig`.
+key/value grouping, biases, tying, score scale, global/local attention, and the parts some
+families add: a scale on the embedding, QK-norm, norms after each sublayer, capped scores
+and logits) are chosen by the `ModelConfig`. With post-sublayer norms (Gemma 2/3) a sublayer's
+output is normed before its residual sum, H̃ = H + LN_{ℓ,1}'(Attn_ℓ(LN_{ℓ,1}(H))), and the hook
+points `hook_attn_out` / `hook_mlp_out` see the normed output, which is what is added.
 
 State-space form: `init_state(s)` prefills x from a string, `F(x, w)` appends tokens
 (rebuilding from Π_T(s ∘ w) when the horizon T would be exceeded) and `G(x)` reads out
@@ -31,7 +34,7 @@ from hybridlm.lm.capture import Recordable
 from hybridlm.lm.hooks import HookedModule, HookPoint
 from hybridlm.lm.linear import affine, column_major_zeros
 from hybridlm.lm.mlp import make_mlp
-from hybridlm.lm.norm import make_norm
+from hybridlm.lm.norm import LayerNorm, RMSNorm, make_norm
 from hybridlm.lm.positions import LearnedPositions, Rotary
 from hybridlm.lm.state import ForkedState, KVState, StateBatch
 from hybridlm.lm.step import run_blocks, token_step
@@ -47,6 +50,9 @@ class Block(DirectModule):
         self.attn = Attention(cfg, layer)
         self.ln2 = make_norm(cfg)
         self.mlp = make_mlp(cfg)
+        # the norms of the sublayers' outputs (Gemma 2/3), None elsewhere
+        self.ln1_post = make_norm(cfg) if cfg.post_norms else None
+        self.ln2_post = make_norm(cfg) if cfg.post_norms else None
         self.hook_resid_pre = HookPoint()
         self.hook_attn_out = HookPoint()
         self.hook_resid_mid = HookPoint()
@@ -58,10 +64,21 @@ class Block(DirectModule):
         in one call, where no hook point inside them is attached."""
         spec = None if step is None else step.table.spec(self)
         h = self.hook_resid_pre(h)
-        a = self.attn(self.ln1(h), pos, state, rotary) if spec is None else step.attention(spec, h)
+        a = self.attention_sublayer(h, pos, state, rotary) if spec is None else step.attention(spec, h)
         h = self.hook_resid_mid(h + self.hook_attn_out(a))
-        m = self.mlp(self.ln2(h)) if spec is None else step.mlp(spec, h)
+        m = self.mlp_sublayer(h) if spec is None else step.mlp(spec, h)
         return self.hook_resid_post(h + self.hook_mlp_out(m))
+
+    def attention_sublayer(self, h, pos, state=None, rotary=None):
+        """What the attention sublayer adds to the residual stream: Attn_ℓ(LN_{ℓ,1}(h)), normed where
+        the family norms it."""
+        a = self.attn(self.ln1(h), pos, state, rotary)
+        return a if self.ln1_post is None else self.ln1_post(a)
+
+    def mlp_sublayer(self, h):
+        """What the MLP sublayer adds: MLP_ℓ(LN_{ℓ,2}(h)), normed where the family norms it."""
+        m = self.mlp(self.ln2(h))
+        return m if self.ln2_post is None else self.ln2_post(m)
 
 
 class StateSpaceForm:
@@ -195,7 +212,8 @@ class DecoderLM(StateSpaceForm, HookedModule, Recordable):
         return self.W_e if self.W_u is None else self.W_u
 
     def embed(self, ids: torch.Tensor, pos: torch.Tensor, prefix: torch.Tensor | None = None) -> torch.Tensor:
-        """H⁽⁰⁾ = U(s) W_e + P W_p, computed as row lookups.
+        """H⁽⁰⁾ = U(s) W_e + P W_p, computed as row lookups (H⁽⁰⁾ = γ_e U(s) W_e where the family
+        scales its embedding by γ_e = `embed_scale`; `hook_embed` sees U(s) W_e).
 
         `prefix` ([p, d] or [B, p, d], rows of token-embedding space) is a soft prefix:
         its rows stand before U(s) W_e and take the first p positions, as tokens would.
@@ -204,6 +222,8 @@ class DecoderLM(StateSpaceForm, HookedModule, Recordable):
         if prefix is not None:
             e = torch.cat([prefix.to(e.dtype).expand(e.shape[0], -1, -1), e], dim=1)
         h = self.hook_embed(e)
+        if self.config.embed_scale is not None:
+            h = h * self.config.embed_scale
         if self.pos_embed is not None:
             h = h + self.pos_embed(pos)
         return h
@@ -213,16 +233,18 @@ class DecoderLM(StateSpaceForm, HookedModule, Recordable):
         cfg = self.config
         U = selection_U(s, cfg.vocab_size).to(self.W_e.dtype)
         h = U @ self.W_e
+        if cfg.embed_scale is not None:
+            h = h * cfg.embed_scale
         if self.pos_embed is not None:
             h = h + selection_P(U.shape[0], cfg.n_ctx).to(self.W_e.dtype) @ self.pos_embed.W_p
         return h
 
     def readout(self, h: torch.Tensor) -> torch.Tensor:
-        """Y = LN_f(H⁽ᴸ⁾) W_u."""
+        """Y = LN_f(H⁽ᴸ⁾) W_u, capped Y ↦ c·tanh(Y/c) where the family caps its logits."""
         h = self.ln_final(h)
-        if self.readout_map is not None:
-            return self.hook_logits(self.readout_map(h))
-        return self.hook_logits(affine(h, self.unembedding))
+        y = affine(h, self.unembedding) if self.readout_map is None else self.readout_map(h)
+        cap = self.config.final_softcap
+        return self.hook_logits(y if cap is None else torch.tanh(y / cap) * cap)
 
     # ------------------------------------------------------------------ the generative map
     def forward(
@@ -356,9 +378,11 @@ def init_weights(model: DecoderLM, seed: int = 0, *, part: nn.Module | None = No
     g = torch.Generator().manual_seed(seed)
     std = cfg.init_std
     residual_std = std / math.sqrt(2 * cfg.n_layer)
+    root = model if part is None else part
+    gains = {id(m.weight) for m in root.modules() if isinstance(m, (LayerNorm, RMSNorm))}
     with torch.no_grad():
-        for name, p in (model if part is None else part).named_parameters():
-            if name.endswith(("ln1.weight", "ln2.weight", "ln_final.weight")):
+        for name, p in root.named_parameters():
+            if id(p) in gains:
                 p.fill_(1.0)
             elif name.endswith("bias"):
                 p.zero_()

@@ -3,7 +3,14 @@
 Learned positions add P W_p to the embedding, H⁽⁰⁾ = U(s) W_e + P W_p (docs/theory.md
 §2), so every row of the state depends on its absolute position. Rotary positions
 instead rotate each (query, key) pair of coordinates by an angle proportional to the
-position, θ_j = pos · base^(−2j/d_k), leaving the residual stream position-free.
+position, pos · θ_j with θ_j = base^(−2j/d_k) / f_j, leaving the residual stream
+position-free. The divisors f_j (`ModelConfig.rope_freq_factors`) carry every rescaling of
+the frequencies a family applies (Llama 3's, linear, Phi-3's long-context factors); a family
+whose local blocks rotate with another base (Gemma 3) has a second table, `Rotary.local`.
+
+The pairs are (j, j + d_k/2), the halves of each head (GPT-NeoX's layout, which transformers
+uses for every family); llama.cpp stores Llama's W_Q and W_K with the pairs interleaved, and
+its loader restores the halves (hybridlm.weights.families).
 """
 
 from __future__ import annotations
@@ -37,14 +44,22 @@ class Rotary(DirectModule):
     gathered once and reused.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, *, local: bool = False) -> None:
         super().__init__()
         d_k = cfg.d_head
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d_k, 2, dtype=torch.float32) / d_k))
+        base, factors = (cfg.rope_local_theta, None) if local else (cfg.rope_theta, cfg.rope_freq_factors)
+        inv_freq = 1.0 / (base ** (torch.arange(0, d_k, 2, dtype=torch.float32) / d_k))
+        if factors is not None:
+            inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
         angles = torch.outer(torch.arange(cfg.n_ctx, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", torch.cat([angles.cos(), angles.cos()], dim=-1), persistent=False)
-        self.register_buffer("sin", torch.cat([-angles.sin(), angles.sin()], dim=-1), persistent=False)
+        cos, sin = angles.cos(), angles.sin()
+        if cfg.rope_attn_factor != 1.0 and not local:
+            cos, sin = cos * cfg.rope_attn_factor, sin * cfg.rope_attn_factor
+        self.register_buffer("cos", torch.cat([cos, cos], dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat([-sin, sin], dim=-1), persistent=False)
         self._phases: tuple = (None, None, None, None)  # (pos, dtype, cos, sin) of the last call
+        # the local blocks' table, where their base differs (their `Attention` picks it)
+        self.local = Rotary(cfg, local=True) if cfg.rope_local_theta is not None and not local else None
 
     def phases(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos θ and signed sin θ at positions pos, shaped [n, 1, d_k] to broadcast over heads."""

@@ -300,9 +300,13 @@ class SpecTable:
 
 def _parts(block) -> list | None:
     """What a block's spec is built from: its modules and tensors in a fixed order (None where a
-    part is not of a kind the kernels compute)."""
+    part is not of a kind the kernels compute: a GeGLU, QK-norm, capped scores, a local block's
+    own rotary table, norms after the sublayers; such a block takes its parts' forwards)."""
     ln1, attn, ln2, mlp = (block.__dict__.get(name) for name in ("ln1", "attn", "ln2", "mlp"))
     if type(attn) is not Attention or type(mlp) not in (SwiGLU, GeluMLP):
+        return None
+    if (attn.q_norm is not None or attn.softcap is not None or attn.local_rope
+            or block.__dict__.get("ln1_post") is not None or block.__dict__.get("ln2_post") is not None):
         return None
     up, down = (mlp.W_gate_up, mlp.W_down) if type(mlp) is SwiGLU else (mlp.W_fc, mlp.W_proj)
     parts = [ln1, attn, ln2, mlp, attn.W_qkv, attn.W_O, up, down, *(getattr(block, name) for name in _RESIDUAL)]

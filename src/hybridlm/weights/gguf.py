@@ -1,28 +1,28 @@
-"""Weights from a GGUF file: SmolLM2-135M-Instruct and other Llama models (docs/theory.md §2, §6).
+"""Weights from a GGUF file: SmolLM2-135M-Instruct and the families of `hybridlm.weights.families`
+(Llama 3.x, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2, Gemma 3) (docs/theory.md §2, §6).
 
 A GGUF file holds metadata (sizes, vocabulary, merges, chat template) and tensors, most
 of them quantised in blocks: Q8_0 stores x = d·q (8-bit q, one scale d per 32 numbers),
 Q4_0 x = d·(q − 8), Q4_1 x = d·q + m (4-bit q, scale d and offset m per 32), the K-quants
 super-blocks of 256. `load_gguf_model` reads the header with `gguf_header` (every count
-bounded by the file's size, every metadata key type-checked), turns every tensor into
-float32 with `gguf.quants.dequantize`, renames llama.cpp's tensors to
-the parameters of `DecoderLM` and builds the model of docs/theory.md §2 with the Llama parts:
-RMSNorm, rotary positions, grouped-query attention, SwiGLU, tied embeddings.
-
-llama.cpp stores W_Q and W_K with the rows of each head interleaved, rotary pairs (2i, 2i+1);
-`unpermute_rotary` restores the pairs (i, i + d_k/2) that `positions.Rotary` rotates.
+bounded by the file's size, every metadata key type-checked), finds the family of the file's
+architecture in the family registry, which gives the `ModelConfig` and says which of the
+file's tensors make up each of the model's (checked, names and shapes, before any is read), and
+turns every tensor into float32 with `gguf.quants.dequantize`, one at a time.
 
 The first load pays for parsing and dequantising; the float32 weights, the config and the
 tokenizer are then cached in one safetensors file keyed by the GGUF file's sha256, in
-`$HYBRIDLM_CACHE` (default `~/.cache/hybridlm`). A cache file that cannot be read is
-rebuilt from the GGUF file.
+`$HYBRIDLM_CACHE` (default `~/.cache/hybridlm`), written one tensor at a time and read back
+one at a time, so a load never holds two copies of the model. A cache file that cannot be read
+is rebuilt from the GGUF file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 import hashlib
 import json
+import math
 import os
 import sys
 import warnings
@@ -34,10 +34,11 @@ import torch
 
 from hybridlm.lm.config import ModelConfig
 from hybridlm.cache import atomic_write, cache_root, read_json
-from hybridlm.errors import HybridLMError, ModelNotFoundError, WeightsError
+from hybridlm.errors import ModelNotFoundError, WeightsError
 from hybridlm.lm.model import DecoderLM
 from hybridlm.weights.checks import Weights, assemble
-from hybridlm.weights.gguf_header import MISSING as _MISSING, TensorInfo, meta_value, read_header
+from hybridlm.weights.families import MappedWeights, Source, gguf_config, gguf_family, plan
+from hybridlm.weights.gguf_header import Header, TensorInfo, meta_value, read_header
 from hybridlm.tokenizer import Tokenizer
 from hybridlm.weights.vocab import tokenizer_from_json, tokenizer_from_metadata, tokenizer_to_json
 # the embedded file is located in registry; these names stay importable from here
@@ -45,25 +46,13 @@ from hybridlm.weights.registry import SMOLLM2_MODULE, SMOLLM2_PACKAGE, smollm2_p
 
 
 
-ARCHITECTURE = "llama"
-CACHE_VERSION = 3  # bump when the cached content changes; old files are then left unused
+CACHE_VERSION = 4  # bump when the cached content changes; old files are then left unused
 CACHE_FORMAT = f"hybridlm-gguf-cache/{CACHE_VERSION}"
 
 #: Storage types hybridlm dequantises (with `gguf.quants.dequantize`) and has tested.
 SUPPORTED_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 )
-
-#: llama.cpp's tensor names → `DecoderLM` parameter names (per block, and global).
-BLOCK_TENSORS = {
-    "attn_norm.weight": "ln1.weight",
-    "attn_output.weight": "attn.W_O.weight",
-    "ffn_norm.weight": "ln2.weight",
-    "ffn_down.weight": "mlp.W_down.weight",
-}
-QKV_TENSORS = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
-GATE_UP_TENSORS = ("ffn_gate.weight", "ffn_up.weight")  # → mlp.W_gate_up = [W_gate; W_up]
-GLOBAL_TENSORS = {"token_embd.weight": "W_e", "output_norm.weight": "ln_final.weight", "output.weight": "W_u"}
 
 
 # ====================================================================== locating files
@@ -74,98 +63,66 @@ def source_name(path: Path) -> str:
 
 # ====================================================================== the entry point
 def load_gguf_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-                    precision: str = "float32") -> DecoderLM:
-    """A `DecoderLM` with the weights, config and tokenizer of a Llama-architecture GGUF file
-    (int8 or int4 `precision`: built quantised from the float32 cache, hybridlm.lm.quantize)."""
+                    precision: str = "float32", tokenizer: bool = True) -> DecoderLM:
+    """A `DecoderLM` with the weights, config and tokenizer of a GGUF file of a supported architecture
+    (int8 or int4 `precision`: built quantised from the float32 cache, hybridlm.lm.quantize).
+
+    `tokenizer=False` reads the weights alone, for a model driven by token ids (the vocabulary is
+    then not read at all, and the cache not used)."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise ModelNotFoundError(f"{path}: no such GGUF file")
-    cache = cache_file(file_sha256(path))
-    model = load_cached(cache, precision=precision)
-    if model is None:
-        cfg, weights, tokenizer = read_gguf(path, progress=f"hybridlm: first use of {path.name}, building "
-                                                           "its float32 cache (once)")
-        write_cache(cache, cfg, weights, tokenizer)
-        model = assemble(cfg, weights, tokenizer, origin=path.name, precision=precision)
+    if not tokenizer:
+        cfg, weights, _ = read_gguf(path, tokenizer=False)
+        model = assemble(cfg, weights, None, origin=path.name, precision=precision)
+    else:
+        cache = cache_file(file_sha256(path))
+        model = load_cached(cache, precision=precision)
+        if model is None:
+            cfg, weights, tok = read_gguf(path)  # every check passed before the slow part below
+            progress = f"hybridlm: first use of {path.name}, building its float32 cache (once)"
+            if write_cache(cache, cfg, weights, tok, progress=progress):
+                model = load_cached(cache, precision=precision)
+            if model is None:
+                model = assemble(cfg, weights, tok, origin=path.name, precision=precision)
     model.source = source_name(path)
     model.gguf_path = path  # the file itself, for references that run it (llama.cpp)
     return model.eval() if model.precision in ("int8", "int4") else model.to(dtype).eval()
 
 
 # ====================================================================== reading the file
-def read_gguf(path: Path, *, progress: str | None = None) -> tuple[ModelConfig, Weights, Tokenizer | None]:
-    """Config, float32 weights (our names, HF Llama layout) and tokenizer of a GGUF file.
+def read_gguf(path: Path, *, tokenizer: bool = True) -> tuple[ModelConfig, "GGUFWeights", Tokenizer | None]:
+    """Config, weights (read from the file when asked, see `GGUFWeights`) and tokenizer of a GGUF file.
 
     The header is read by `gguf_header.read_header`, which bounds every count by the file's
-    size; the metadata are then type-checked key by key. `progress` (a description) shows a
-    progress bar on stderr while the tensors are dequantised.
+    size; the metadata are then type-checked key by key, and the tensors the config implies checked
+    by name and shape, before any tensor is dequantised.
     """
     header = read_header(path)
-    meta = header.metadata
     try:
-        cfg = config_from_metadata(meta, {t.name for t in header.tensors}, origin=path.name)
-        tokenizer = tokenizer_from_metadata(meta, name=path.stem, vocab_size=cfg.vocab_size)
-        weights = weights_from_tensors(header.tensors, cfg, progress=progress)
+        cfg = config_from_metadata(header.metadata, header, origin=path.name)
+        tok = tokenizer_from_metadata(header.metadata, name=path.stem, vocab_size=cfg.vocab_size) if tokenizer else None
+        weights = weights_from_tensors(header.tensors, cfg, origin=path.name)
     except WeightsError as exc:
         message = str(exc)
         raise WeightsError(message if message.startswith(path.name) else f"{path.name}: {message}") from None
-    return cfg, weights, tokenizer
+    return cfg, weights, tok
 
 
-def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], *, origin: str) -> ModelConfig:
-    """`ModelConfig` of the Llama family from the `llama.*` keys, each type-checked."""
-    arch = meta.get("general.architecture")
-    if arch != ARCHITECTURE:
-        shown = repr(arch) if isinstance(arch, (str, type(None))) else f"a {type(arch).__name__}"
-        raise WeightsError(
-            f"{origin}: architecture {shown} is not supported; "
-            "hybridlm reads Llama-architecture GGUF files ('llama')"
-        )
+def config_from_metadata(meta: dict[str, Any], tensors: Header | Iterable[str], *, origin: str) -> ModelConfig:
+    """`ModelConfig` from the `{arch}.*` keys, by the family of `general.architecture` (each key
+    type-checked); `tensors`: the file's header (or only its tensor names, when no tensor is read)."""
+    family = gguf_family(meta.get("general.architecture"), origin)
+    if isinstance(tensors, Header):
+        infos = {t.name: t for t in tensors.tensors}
+        shapes = {name: t.shape for name, t in infos.items()}
+        read = lambda name: torch.from_numpy(dequantize(infos[name]))
+    else:
+        shapes = {name: () for name in tensors}
 
-    def get(key: str, kind: str = "int", default: Any = _MISSING) -> Any:
-        try:
-            return meta_value(meta, f"{arch}.{key}", kind, default)
-        except WeightsError as exc:
-            if isinstance(meta.get(f"{arch}.{key}"), list) and key.startswith("attention.head_count"):
-                raise WeightsError(f"{origin}: head counts vary by layer ({arch}.{key}); not supported") from None
-            raise WeightsError(f"{origin}: {exc}") from None
-
-    d_model, n_head = get("embedding_length"), get("attention.head_count")
-    n_kv_head = get("attention.head_count_kv", default=n_head)
-    if n_head < 1 or d_model % n_head:
-        raise WeightsError(f"{origin}: {arch}.embedding_length={d_model} is not a multiple of "
-                           f"{arch}.attention.head_count={n_head}")
-    d_head = d_model // n_head
-    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
-        if get(key, default=d_head) != d_head:
-            raise WeightsError(
-                f"{origin}: {arch}.{key}={get(key)} differs from d_model/n_head={d_head}; not supported"
-            )
-    scaling = get("rope.scaling.type", "str", "none")
-    if scaling != "none" or "rope_freqs.weight" in tensor_names:
-        raise WeightsError(f"{origin}: rotary scaling ({scaling!r}) is not supported")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = get("vocab_size", default=None) or (len(tokens) if isinstance(tokens, list) else None)
-    if not vocab:
-        raise WeightsError(f"{origin}: neither '{arch}.vocab_size' nor a vocabulary in the metadata")
-    special = {}
-    for name in ("bos", "eos"):
-        key = f"tokenizer.ggml.{name}_token_id"
-        try:
-            special[name] = meta_value(meta, key, "int", None)
-        except WeightsError as exc:
-            raise WeightsError(f"{origin}: {exc}") from None
-    try:
-        return ModelConfig(
-            family="llama", vocab_size=vocab, n_ctx=get("context_length"), d_model=d_model,
-            n_layer=get("block_count"), n_head=n_head, n_kv_head=n_kv_head, d_mlp=get("feed_forward_length"),
-            norm="rmsnorm", norm_eps=float(get("attention.layer_norm_rms_epsilon", "number")), positions="rotary",
-            rope_theta=float(get("rope.freq_base", "number", 10000.0)), mlp="swiglu", attn_bias=False,
-            attn_out_bias=False, mlp_bias=False, tie_embeddings="output.weight" not in tensor_names,
-            bos_token_id=special["bos"], eos_token_id=special["eos"],
-        )
-    except HybridLMError as exc:
-        raise WeightsError(f"{origin}: inconsistent sizes in the metadata: {exc}") from None
+        def read(name: str) -> torch.Tensor:
+            raise WeightsError(f"{origin}: tensor {name!r} is needed to read the config")
+    return gguf_config(family, meta, shapes, origin=origin, read=read)
 
 
 # ====================================================================== tensors
@@ -183,69 +140,41 @@ def dequantize(tensor: TensorInfo) -> np.ndarray:
     return np.array(values, dtype=np.float32).reshape(tensor.shape)
 
 
-def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's row order of W_Q / W_K ([out, in]): rows (2i, 2i+1) of a head → (i, i + d_k/2)."""
-    out, d_in = w.shape
-    d_head = out // n_heads
-    return w.reshape(n_heads, d_head // 2, 2, d_in).transpose(1, 2).reshape(out, d_in)
+def weights_from_tensors(tensors: list[TensorInfo], cfg: ModelConfig, *, origin: str = "") -> "GGUFWeights":
+    """The state dict of `DecoderLM(cfg)` from a GGUF file's tensors, read when asked (`GGUFWeights`);
+    every tensor the family's table names checked to exist, with the shape the metadata imply, and every
+    type checked to be one hybridlm dequantises, first."""
+    from hybridlm.weights.families import FAMILIES
+
+    infos = {t.name: t for t in tensors}
+    sources = plan(FAMILIES[cfg.family], cfg, {n: t.shape for n, t in infos.items()}, gguf=True, origin=origin)
+    for source in sources.values():
+        for name in source.names:
+            if infos[name].kind.name not in SUPPORTED_TYPES:
+                raise WeightsError(f"tensor {name!r} is stored as {infos[name].kind.name}, a type hybridlm does not "
+                                   f"dequantise; supported: {', '.join(SUPPORTED_TYPES)}")
+    return GGUFWeights(sources, infos)
 
 
-def weights_from_tensors(tensors, cfg: ModelConfig, *, progress: str | None = None) -> Weights:
-    """The state dict of `DecoderLM(cfg)`; W_qkv = [W_q; W_k; W_v] and W_gate_up = [W_gate; W_up] in
-    torch Linear [out, in] layout."""
-    weights: Weights = {}
-    fused: dict[tuple[int, str], torch.Tensor] = {}  # parts of W_qkv and W_gate_up, by block
-    if progress is not None:
-        from tqdm import tqdm
+class GGUFWeights(MappedWeights):
+    """A GGUF file's tensors as the state dict of `DecoderLM(cfg)`, each dequantised to float32 when
+    asked (see `families.MappedWeights`).
 
-        tensors = tqdm(tensors, desc=progress, unit=" tensors", file=sys.stderr,
-                       bar_format="{desc}: {n_fmt}/{total_fmt} tensors {bar:20} {elapsed}")
-    for tensor in tensors:
-        name = tensor.name
-        value = torch.from_numpy(dequantize(tensor))
-        if name in GLOBAL_TENSORS:
-            weights[GLOBAL_TENSORS[name]] = value
-            continue
-        layer, part = split_block_name(name)
-        if part in BLOCK_TENSORS:
-            weights[f"blocks.{layer}.{BLOCK_TENSORS[part]}"] = value
-        elif part in QKV_TENSORS + GATE_UP_TENSORS:
-            fused[(layer, part)] = value
-        else:
-            raise WeightsError(f"tensor {name!r} has no place in a Llama model")
-    d_head = cfg.d_head
-    shapes = {"attn_q.weight": (cfg.n_head * d_head, cfg.d_model), "attn_k.weight": (cfg.n_kv_head * d_head, cfg.d_model),
-              "attn_v.weight": (cfg.n_kv_head * d_head, cfg.d_model), "ffn_gate.weight": (cfg.d_mlp, cfg.d_model),
-              "ffn_up.weight": (cfg.d_mlp, cfg.d_model)}
-    for (layer, part), value in fused.items():  # before they are permuted and stacked
-        if tuple(value.shape) != shapes[part]:
-            raise WeightsError(f"tensor blk.{layer}.{part} has shape {list(value.shape)}, the metadata imply "
-                               f"{list(shapes[part])}")
-    for layer in range(cfg.n_layer):
-        q, k, v = _pop_parts(fused, layer, QKV_TENSORS)
-        q, k = unpermute_rotary(q, cfg.n_head), unpermute_rotary(k, cfg.n_kv_head)
-        weights[f"blocks.{layer}.attn.W_qkv.weight"] = torch.cat([q, k, v], dim=0)
-        weights[f"blocks.{layer}.mlp.W_gate_up.weight"] = torch.cat(_pop_parts(fused, layer, GATE_UP_TENSORS), dim=0)
-    if fused:
-        raise WeightsError(f"attention or MLP tensors of blocks beyond L={cfg.n_layer}: {sorted(fused)[:3]}")
-    return weights
+    `segments(name)` gives the file's own blocks behind one of the model's tensors, for a product that
+    reads them as stored: the file's tensors in row order, each with its row permutation."""
 
+    def __init__(self, sources: dict[str, Source], tensors: dict[str, TensorInfo]) -> None:
+        super().__init__(sources, {n: t.shape for n, t in tensors.items()},
+                         lambda name: torch.from_numpy(dequantize(tensors[name])))
+        self.tensors = tensors
 
-def _pop_parts(fused: dict, layer: int, parts: tuple[str, ...]) -> list[torch.Tensor]:
-    """The tensors `parts` of block `layer`, removed from `fused`; a missing one is named."""
-    try:
-        return [fused.pop((layer, part)) for part in parts]
-    except KeyError as exc:
-        raise WeightsError(f"block {layer} lacks the tensor blk.{layer}.{exc.args[0][1]}") from None
-
-
-def split_block_name(name: str) -> tuple[int, str]:
-    """'blk.3.attn_q.weight' → (3, 'attn_q.weight')."""
-    head, _, rest = name.partition(".")
-    index, _, part = rest.partition(".")
-    if head != "blk" or not index.isdigit():
-        raise WeightsError(f"tensor {name!r} has no place in a Llama model")
-    return int(index), part
+    def segments(self, name: str) -> list[tuple[TensorInfo, torch.Tensor | None]]:
+        """[(tensor, rows)] behind our tensor `name` (e.g. `blocks.3.attn.W_qkv.weight`): stacked in this
+        order they give it, where our row i of a segment is the file's row rows[i] (rows None: the same
+        order). Each tensor's raw blocks are `tensor.data()` ([rows, bytes of a row], read-only), its
+        ggml type `tensor.kind`, its shape `tensor.shape` ([rows, columns])."""
+        source = self.sources[name]
+        return [(self.tensors[n], rows) for n, rows in zip(source.names, source.rows)]
 
 
 # ====================================================================== the cache
@@ -342,17 +271,48 @@ class LazyWeights(Mapping):
         self._fh.close()
 
 
-def write_cache(file: Path, cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None) -> None:
-    """Write the cache atomically (temporary file, then rename); a failure only costs speed."""
-    from safetensors.torch import save_file
-
-    meta = {"format": CACHE_FORMAT, "config": cfg.to_json()}
-    meta["tokenizer"] = json.dumps(tokenizer_to_json(tokenizer))
-    tensors = {name: value.contiguous() for name, value in weights.items()}
+def write_cache(file: Path, cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None, *,
+                progress: str | None = None) -> bool:
+    """Write the cache atomically (temporary file, then rename), one tensor at a time: a safetensors
+    file whose header is known from the shapes before any tensor is read. `progress` (a description)
+    shows a bar on stderr. A failure only costs speed (False, with a warning)."""
+    meta = {"format": CACHE_FORMAT, "config": cfg.to_json(), "tokenizer": json.dumps(tokenizer_to_json(tokenizer))}
     try:
-        atomic_write(file, lambda tmp: save_file(tensors, tmp, metadata=meta))
+        atomic_write(file, lambda tmp: _stream_safetensors(tmp, weights, meta, progress))
+        return True
     except (OSError, RuntimeError) as exc:
         warnings.warn(
             f"hybridlm: could not write the cache file {file} ({exc}); the next load re-reads the GGUF file",
             stacklevel=3,
         )
+        return False
+
+
+def _stream_safetensors(path: Path, weights: Weights, metadata: dict[str, str], progress: str | None) -> None:
+    """The safetensors layout (u64 header length · JSON header · data, float32 little-endian),
+    written tensor by tensor so that only one is in memory at a time."""
+    names = list(weights)
+    shape = getattr(weights, "shape", None)
+    shapes = {n: tuple(shape(n)) if callable(shape) else tuple(weights[n].shape) for n in names}
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name in names:
+        size = 4 * math.prod(shapes[name])
+        header[name] = {"dtype": "F32", "shape": list(shapes[name]), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the data start 8-byte aligned
+    if progress is not None:
+        from tqdm import tqdm
+
+        names = tqdm(names, desc=progress, unit=" tensors", file=sys.stderr,
+                     bar_format="{desc}: {n_fmt}/{total_fmt} tensors {bar:20} {elapsed}")
+    with open(path, "wb") as sink:
+        sink.write(len(raw).to_bytes(8, "little") + raw)
+        for name in names:
+            value = weights[name].detach().to(torch.float32).contiguous()
+            if tuple(value.shape) != shapes[name]:
+                raise RuntimeError(f"{name}: shape {tuple(value.shape)}, announced {shapes[name]}")
+            sink.write(value.numpy().data)  # (the buffer itself, no copy)
+
+

