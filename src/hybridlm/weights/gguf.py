@@ -42,6 +42,7 @@ from hybridlm.weights.gguf_header import Header, TensorInfo, meta_value, read_he
 from hybridlm.tokenizer import Tokenizer
 from hybridlm.weights.vocab import tokenizer_from_json, tokenizer_from_metadata, tokenizer_to_json
 # the embedded file is located in registry; these names stay importable from here
+from hybridlm.weights.tensorfile import LazyWeights
 from hybridlm.weights.registry import SMOLLM2_MODULE, SMOLLM2_PACKAGE, smollm2_path
 
 
@@ -221,54 +222,6 @@ def load_cached(file: Path, *, precision: str = "float32") -> DecoderLM | None:
         reason = f"{type(exc).__name__}: {exc}"
         warnings.warn(f"hybridlm: cache file {file} is unreadable ({reason}); rebuilding it", stacklevel=3)
         return None
-
-
-class LazyWeights(Mapping):
-    """The tensors of a safetensors file, each read from the file when asked (its shape without
-    reading). Read, not mapped: a mapped file's pages count in the process's resident memory
-    until it is closed, so copying a whole model out of a mapping costs the model twice."""
-
-    _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-               "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-               "F64": torch.float64}
-
-    def __init__(self, path: Path) -> None:
-        from hybridlm.weights.hub import check_safetensors_header
-
-        self.table = check_safetensors_header(path)
-        self._fh = open(path, "rb")
-        self.start = 8 + int.from_bytes(self._fh.read(8), "little")
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        entry = self.table[name]
-        begin, end = entry["data_offsets"]
-        buffer = bytearray(end - begin)
-        view = memoryview(buffer)
-        done = 0
-        while done < len(buffer):
-            got = os.preadv(self._fh.fileno(), [view[done:]], self.start + begin + done)
-            if got <= 0:
-                raise ValueError(f"{name}: the file ends inside the tensor")
-            done += got
-        dtype = self._DTYPES[entry["dtype"]]
-        if not buffer:
-            return torch.empty(entry["shape"], dtype=dtype)
-        return torch.frombuffer(buffer, dtype=dtype).view(entry["shape"])
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.table[name]["shape"])
-
-    def __iter__(self):
-        return iter(self.table)
-
-    def __len__(self) -> int:
-        return len(self.table)
-
-    def __enter__(self) -> "LazyWeights":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._fh.close()
 
 
 def write_cache(file: Path, cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer | None, *,

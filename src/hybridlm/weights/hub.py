@@ -33,6 +33,7 @@ from hybridlm.lm.config import MAX_SIZES, ModelConfig
 from hybridlm.errors import ConfigError, ModelNotFoundError, WeightsError
 from hybridlm.lm.model import DecoderLM
 from hybridlm.weights.checks import assemble
+from hybridlm.weights.tensorfile import LazyWeights, check_safetensors_header
 from hybridlm.weights.families import HF_TYPES, MappedWeights, hf_config, hf_family, plan
 
 #: Hub repository of each preset, for users with a network.
@@ -51,7 +52,6 @@ HUB_REPOS: dict[str, str] = {
 
 _REQUIRED = object()
 MAX_CONFIG_BYTES = 4 << 20  # hub config.json files are a few KB
-MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors library's own limit on the JSON header
 
 
 def hub_field(hf: dict[str, Any], name: str, kind: str, default: Any = _REQUIRED) -> Any:
@@ -305,57 +305,6 @@ def _unstack_qkv(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-#: safetensors dtypes → bytes per element.
-SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
-                      "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-
-
-def check_safetensors_header(path: Path) -> dict[str, dict]:
-    """The tensor table of a safetensors file, every length and extent checked against the file.
-
-    Layout: u64 N · N bytes of JSON {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}}
-    · the data, offsets counted from its start. The safetensors library checks much of this
-    too; checking it here first gives one error that names the tensor and the field.
-    """
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise WeightsError(f"{path}: {size} bytes, too short for a safetensors header; is it truncated or corrupt?")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(size - 8, MAX_SAFETENSORS_HEADER):
-            raise WeightsError(f"{path}: the header claims {n:,} bytes, the file has {size - 8:,} after the length "
-                               f"(limit {MAX_SAFETENSORS_HEADER:,}); is it truncated or corrupt?")
-        raw = fh.read(n)
-    try:
-        table = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:
-        reason = exc.__class__.__name__ if isinstance(exc, RecursionError) else exc
-        raise WeightsError(f"{path}: the header is not a JSON object ({reason}); is it truncated or corrupt?") from None
-    if not isinstance(table, dict):
-        raise WeightsError(f"{path}: the header is a JSON {type(table).__name__}, expected an object")
-    data = size - 8 - n
-    table.pop("__metadata__", None)
-    for name, entry in table.items():
-        where = f"{path}: tensor {name[:80]!r}"
-        if not isinstance(entry, dict):
-            raise WeightsError(f"{where}: expected {{dtype, shape, data_offsets}}, got a {type(entry).__name__}")
-        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if dtype not in SAFETENSORS_DTYPES:
-            raise WeightsError(f"{where}: dtype {str(dtype)[:20]!r} is not one of {sorted(SAFETENSORS_DTYPES)}")
-        ints = (lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                       for x in v))
-        if not ints(shape) or len(shape) > 8:
-            raise WeightsError(f"{where}: shape {str(shape)[:40]} is not a list of at most 8 integers ≥ 0")
-        if not ints(offsets) or len(offsets) != 2 or not offsets[0] <= offsets[1] <= data:
-            raise WeightsError(f"{where}: data_offsets {str(offsets)[:60]} do not lie within the {data:,} bytes of data; "
-                               "is the file truncated or corrupt?")
-        if offsets[1] - offsets[0] != math.prod(shape) * SAFETENSORS_DTYPES[dtype]:
-            raise WeightsError(f"{where}: data_offsets span {offsets[1] - offsets[0]:,} bytes, shape {shape} of "
-                               f"{dtype} needs {math.prod(shape) * SAFETENSORS_DTYPES[dtype]:,}")
-    return table
-
-
 def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
@@ -453,8 +402,6 @@ def load_hub_folder(folder: str | os.PathLike, *, dtype: torch.dtype = torch.flo
 def _load_family_folder(folder: Path, family, hf: dict, *, dtype: torch.dtype, tokenizer: bool) -> DecoderLM:
     """A folder of a registry family: config, then every shard's header and every tensor's name and
     shape checked, then the tokenizer, then the weights, one tensor at a time."""
-    from hybridlm.weights.gguf import LazyWeights
-
     try:
         cfg = hf_config(family, hf)
     except ConfigError as exc:
