@@ -193,10 +193,33 @@ def hf_family(model_type: Any) -> Family | None:
 
 
 # ====================================================================== config.json
+def hub_field(hf: dict[str, Any], name: str, kind: str, default: Any = _MISSING) -> Any:
+    """config.json's field `name`, checked to be a "positive int", "number" (finite, > 0),
+    "id" (an integer ≥ 0 or null), "str" or "bool"; the error names the field as the file spells it."""
+    if name not in hf or (hf[name] is None and kind != "id"):
+        if default is _MISSING:
+            raise ConfigError(f"config.json lacks the field {name!r}")
+        return default
+    value = hf[name]
+    plain_int = isinstance(value, int) and not isinstance(value, bool)
+    ok = {
+        "positive int": plain_int and value >= 1,
+        "number": isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        and value > 0,
+        "id": value is None or (plain_int and value >= 0),
+        "str": isinstance(value, str),
+        "bool": isinstance(value, bool),
+    }[kind]
+    if not ok:
+        expected = {"positive int": "a positive integer", "number": "a finite number > 0",
+                    "id": "a token id (an integer ≥ 0) or null", "str": "a string", "bool": "true or false"}[kind]
+        shown = repr(value) if len(repr(value)) <= 40 else f"a {type(value).__name__}"
+        raise ConfigError(f"config.json: {name}={shown} ({type(value).__name__}): expected {expected}")
+    return value
+
+
 def _field(hf: dict, name: str, kind: str, default: Any = _MISSING) -> Any:
     """config.json's field `name` checked to be of `kind` (the error names the field as the file spells it)."""
-    from hybridlm.weights.hub import hub_field
-
     return hub_field(hf, name, kind) if default is _MISSING else hub_field(hf, name, kind, default)
 
 

@@ -34,7 +34,7 @@ from hybridlm.errors import ConfigError, ModelNotFoundError, WeightsError
 from hybridlm.lm.model import DecoderLM
 from hybridlm.weights.checks import assemble
 from hybridlm.weights.tensorfile import LazyWeights, check_safetensors_header
-from hybridlm.weights.families import HF_TYPES, MappedWeights, hf_config, hf_family, plan
+from hybridlm.weights.families import HF_TYPES, hub_field, MappedWeights, hf_config, hf_family, plan
 
 #: Hub repository of each preset, for users with a network.
 HUB_REPOS: dict[str, str] = {
@@ -47,36 +47,7 @@ HUB_REPOS: dict[str, str] = {
     "gpt-neo-2.7b": "EleutherAI/gpt-neo-2.7B",
 }
 
-
-
-
-_REQUIRED = object()
 MAX_CONFIG_BYTES = 4 << 20  # hub config.json files are a few KB
-
-
-def hub_field(hf: dict[str, Any], name: str, kind: str, default: Any = _REQUIRED) -> Any:
-    """config.json's field `name`, checked to be a "positive int", "number" (finite, > 0),
-    "id" (an integer ≥ 0 or null), "str" or "bool"; the error names the field as the file spells it."""
-    if name not in hf or (hf[name] is None and kind != "id"):
-        if default is _REQUIRED:
-            raise ConfigError(f"config.json lacks the field {name!r}")
-        return default
-    value = hf[name]
-    plain_int = isinstance(value, int) and not isinstance(value, bool)
-    ok = {
-        "positive int": plain_int and value >= 1,
-        "number": isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        and value > 0,
-        "id": value is None or (plain_int and value >= 0),
-        "str": isinstance(value, str),
-        "bool": isinstance(value, bool),
-    }[kind]
-    if not ok:
-        expected = {"positive int": "a positive integer", "number": "a finite number > 0",
-                    "id": "a token id (an integer ≥ 0) or null", "str": "a string", "bool": "true or false"}[kind]
-        shown = repr(value) if len(repr(value)) <= 40 else f"a {type(value).__name__}"
-        raise ConfigError(f"config.json: {name}={shown} ({type(value).__name__}): expected {expected}")
-    return value
 
 
 def gpt2_config(hf: dict[str, Any]) -> ModelConfig:
