@@ -26,45 +26,23 @@ PyTorch operations and the Python between them as in its products. The staged pa
 point inside a sublayer) calls the same norms and activations one at a time, so a block's bits
 do not depend on what watches it.
 
-Each source's header states its map exactly.
-
-Threads. The library is linked against the OpenMP runtime that PyTorch loaded (found in
-the process's memory map), so its parallel loops run on PyTorch's own intra-op pool and
-`torch.set_num_threads` governs them. A second OpenMP runtime would keep a second pool of
-spinning workers fighting PyTorch's for the cores.
-
-Build. On first use `cc` compiles the sources (about two seconds) into
-`$HYBRIDLM_CACHE/kernels` (default `~/.cache/hybridlm/kernels`), under a name that hashes
-the sources, the flags and the runtime, so a changed source or another machine's CPU gets
-its own build. AVX2, FMA and F16C are used where /proc/cpuinfo lists them; elsewhere the
-same sums run as plain C loops. Where no compiler is found or the build fails, `library()`
-returns None (with the reason in `status()`) and every caller keeps its PyTorch path.
-`HYBRIDLM_KERNELS=off` chooses the PyTorch paths outright.
+Each source's header states its map exactly. `build` compiles them into one library (once per
+machine, cached) that runs its loops on PyTorch's own thread pool.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
-from hybridlm.cache import cache_root
 from hybridlm.errors import InputError
-from hybridlm.lm.cpu import cpuinfo
+from hybridlm.lm.kernels import build
 
 STEP_ROWS = 32  # a product of at most this many rows (a token step's) takes the compiled kernels
 BLOCK_COLUMNS = 768  # a product of more rows is taken this many output columns at a time (the BLAS's)
-
-_SOURCES = ("affine.c", "int4.c", "attention.c", "layer.c")  # in the folder of this module
-_HEADERS = ("simd.h", "kernels.h")  # what they include (part of the build's digest)
 
 
 class AffineKernel:
@@ -425,8 +403,8 @@ def library() -> Library | None:
     """The compiled library, built on first call; None where it cannot be used here."""
     if "library" not in _state:
         try:
-            _state["library"], _state["why"] = _load(), "compiled"
-        except _Unavailable as exc:
+            _state["library"], _state["why"] = build.load(Library), "compiled"
+        except build.Unavailable as exc:
             _state["library"], _state["why"] = None, str(exc)
     return _state["library"]
 
@@ -460,97 +438,9 @@ def status() -> str:
     lib = library()
     if lib is None:
         return f"PyTorch's kernels ({_state['why']})"
-    vectors = ("AVX2 and AVX-512" if "-mavx512f" in _cpu_flags() else "AVX2") if lib.vectorised else "portable C"
+    vectors = ("AVX2 and AVX-512" if "-mavx512f" in build.cpu_flags() else "AVX2") if lib.vectorised else "portable C"
     return (f"hybridlm's kernels ({vectors}): batch-invariant float32 and int4 products (int4 with 16-bit input "
             f"per group of 32), decode and fork attention, compiled blocks")
-
-
-class _Unavailable(Exception):
-    pass
-
-
-def _load() -> Library:
-    choice = os.environ.get("HYBRIDLM_KERNELS", "auto").lower()
-    if choice not in ("auto", "off"):
-        raise InputError(f"HYBRIDLM_KERNELS={choice!r}: expected auto or off")
-    if choice == "off":
-        raise _Unavailable("HYBRIDLM_KERNELS=off")
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        raise _Unavailable("no C compiler found")
-    runtime = _torch_openmp()
-    flags = ["-O3", "-fPIC", "-std=c11", "-ffp-contract=off"] + _cpu_flags() + (["-fopenmp"] if runtime else [])
-    sources = [_folder() / name for name in _SOURCES]
-    texts = [path.read_bytes() for path in [*sources, *(_folder() / name for name in _HEADERS)]]
-    digest = hashlib.sha256(b"\0".join([*texts, " ".join(flags).encode(),
-                                        str(runtime).encode(), compiler.encode()])).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"hybridlm-{digest}.so"
-    if not target.exists():
-        _build(compiler, flags, runtime, sources, target)
-    try:
-        return Library(ctypes.CDLL(str(target)), target)
-    except (OSError, AttributeError):  # a damaged cache file: built again, once
-        _build(compiler, flags, runtime, sources, target)
-    try:
-        return Library(ctypes.CDLL(str(target)), target)
-    except (OSError, AttributeError) as exc:
-        raise _Unavailable(f"could not load {target}: {exc}") from None
-
-
-def _folder() -> Path:
-    return Path(__file__).parent
-
-
-def _build(compiler: str, flags: list[str], runtime: Path | None, sources: list[Path], target: Path) -> None:
-    """Compile and link into `target` atomically (a temporary file, then a rename)."""
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            objects = [Path(tmp) / f"{src.stem}.o" for src in sources]
-            lib = Path(tmp) / "hybridlm.so"
-            # Linked with the runtime file itself (not -fopenmp, which would add the system's
-            # libgomp): the library then needs the runtime PyTorch has already loaded.
-            link = [str(runtime), f"-Wl,-rpath,{runtime.parent}"] if runtime else []
-            steps = [[compiler, *flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(sources, objects)]
-            steps.append([compiler, "-shared", *map(str, objects), "-o", str(lib), *link, "-lm"])
-            for cmd in steps:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-                if done.returncode:
-                    raise _Unavailable(f"build failed: {' '.join(cmd)}: {done.stderr.strip()[-400:]}")
-            os.replace(lib, target)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise _Unavailable(f"build failed: {exc}") from None
-
-
-def _torch_openmp() -> Path | None:
-    """The OpenMP runtime file that PyTorch mapped into this process, if any (Linux)."""
-    torch.get_num_threads()  # PyTorch's runtime is mapped once its thread pool is asked about
-    try:
-        with open("/proc/self/maps") as fh:
-            mapped = {Path(line.split()[-1]) for line in fh if "/" in line}
-    except OSError:
-        return None
-    home = Path(torch.__file__).resolve().parent.parent  # site-packages: torch/lib, torch.libs
-    runtimes = sorted(p for p in mapped if p.name.startswith(("libgomp", "libiomp5", "libomp")) and p.exists())
-    for p in runtimes:  # PyTorch's own first, should another library have mapped a second one
-        if home in p.resolve().parents:
-            return p
-    return runtimes[0] if runtimes else None
-
-
-def _cpu_flags() -> list[str]:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return []
-    have = set((cpuinfo("flags") or "").split())
-    if not {"avx2", "fma", "f16c"} <= have:
-        return []
-    return ["-mavx2", "-mfma", "-mf16c"] + (["-mavx512f"] if "avx512f" in have and _avx512_wanted() else [])
-
-
-def _avx512_wanted() -> bool:
-    """AVX-512 vectors in the affine kernel (the same bits as AVX2: each output's multiply-adds
-    in the same order); HYBRIDLM_AVX512=off leaves them out."""
-    return os.environ.get("HYBRIDLM_AVX512", "on").lower() not in ("0", "off", "no", "false")
 
 
 def warn_unavailable() -> None:
