@@ -16,9 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridlm.errors import InputError
 from hybridlm.lm import kernels
 from hybridlm.lm.kernels import build
-from hybridlm.errors import InputError
 from hybridlm.lm.quantize import Int4Linear, _aten_int4_kernel, set_precision
 
 F64 = torch.float64
@@ -405,7 +405,7 @@ def test_a_failed_build_is_named_and_the_path_still_works(fresh, monkeypatch):
 
 def test_the_portable_c_build_is_the_same_map(fresh, monkeypatch):
     """Where the CPU lacks AVX2, FMA or F16C the kernels are plain C loops: the same checks."""
-    monkeypatch.setattr(build, "cpu_flags", lambda: [])
+    monkeypatch.setattr(build, "cpu_flags", list)
     lib = kernels.library()
     if lib is None:
         pytest.skip(kernels.status())

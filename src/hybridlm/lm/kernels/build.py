@@ -26,8 +26,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -96,7 +97,7 @@ def _build(compiler: str, flags: list[str], extra: dict, runtime: Path | None, s
                      for src, obj in zip(sources, objects)]
             steps.append([compiler, "-shared", *map(str, objects), "-o", str(lib), *link, "-lm"])
             for cmd in steps:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
                 if done.returncode:
                     raise Unavailable(f"build failed: {' '.join(cmd)}: {done.stderr.strip()[-400:]}")
             os.replace(lib, target)
