@@ -126,6 +126,75 @@ class Int4Kernel:
         return y
 
 
+class Segment(ctypes.Structure):
+    """Rows of GGUF blocks as blockquant.c reads them: `rows` rows of ggml type `type`, each
+    `row_bytes` long, from address `data` on."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("type", ctypes.c_int64), ("rows", ctypes.c_int64),
+                ("row_bytes", ctypes.c_int64)]
+
+
+class BlockQuantKernel:
+    """y = x Ŵᵀ + b for Ŵ a stack of segments of GGUF block rows (blockquant.c states the map
+    exactly), and Ŵ itself, dequantised with the file's own arithmetic.
+
+    A few rows (a token step: at most `STEP_ROWS`) take the kernel, which reads each weight byte
+    once for all of them. More rows are taken `BLOCK_COLUMNS` output channels at a time:
+    dequantised, then multiplied by the BLAS in float32.
+    """
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._affine = _function(lib.hybridlm_blockquant_affine, [p, i64, i64, p, i64, p, i64, p], ctypes.c_int)
+        self._dequantise = _function(lib.hybridlm_blockquant_dequantise, [p, i64, i64, i64, p])
+        self._rows = _function(lib.hybridlm_blockquant_rows, [p, i64, p, i64, p])
+        self._type = _function(lib.hybridlm_blockquant_type, [i64, p, p], ctypes.c_int)
+
+    def block(self, kind: int) -> tuple[int, int] | None:
+        """(weights, bytes) of a block of ggml type `kind`, or None where the kernel does not read it."""
+        weights, size = ctypes.c_int64(), ctypes.c_int64()
+        return (weights.value, size.value) if self._type(kind, ctypes.byref(weights), ctypes.byref(size)) else None
+
+    def affine(self, x: torch.Tensor, segments, K: int, N: int, b: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] float32 → [..., N]; `segments` a ctypes array of `Segment` (N rows together,
+        whose memory the caller keeps), b [N] contiguous float32 or None."""
+        if not x.is_contiguous():
+            x = x.contiguous()
+        R = x.numel() // K if K else 0
+        y = x.new_empty(x.shape[:-1] + (N,))
+        if R > STEP_ROWS:
+            return self._blocks(x.view(R, K), segments, K, b, y.view(R, N)).view(y.shape)
+        if R and self._affine(x.data_ptr(), R, K, ctypes.addressof(segments), len(segments), address(b), N,
+                              y.data_ptr()):
+            raise MemoryError(f"block-quantised kernel: no memory for the 16-bit copy of a [{R}, {K}] input")
+        return y
+
+    def dequantise(self, segment: Segment, K: int, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        """Rows start..stop of one segment's Ŵ into out [stop − start, K] (contiguous float32)."""
+        self._dequantise(ctypes.addressof(segment), K, start, stop, out.data_ptr())
+        return out
+
+    def rows(self, segment: Segment, K: int, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Rows ids (contiguous int64, in range) of one segment's Ŵ into out [len(ids), K]."""
+        self._rows(ctypes.addressof(segment), K, ids.data_ptr(), ids.numel(), out.data_ptr())
+        return out
+
+    def _blocks(self, rows, segments, K, b, y):
+        w = rows.new_empty(min(BLOCK_COLUMNS, max(s.rows for s in segments)), K)
+        col = 0
+        for segment in segments:
+            for i in range(0, segment.rows, BLOCK_COLUMNS):
+                j = min(i + BLOCK_COLUMNS, segment.rows)
+                block = self.dequantise(segment, K, i, j, w[: j - i])
+                out = y[:, col + i : col + j]
+                if b is None:
+                    torch.mm(rows, block.t(), out=out)
+                else:
+                    torch.addmm(b[col + i : col + j], rows, block.t(), out=out)
+            col += segment.rows
+        return y
+
+
 class DecodeAttention:
     """One decode step of attention through the compiled library (attention.c states the map):
     in one call (`__call__`), or in stages between which hooks may look and replace (`scores`,
@@ -214,11 +283,13 @@ class DecodeAttention:
 
 
 class Product(ctypes.Structure):
-    """One affine map as layer.c reads it: float32 Wᵀ [K, ldw] (`wt`), or int4 (`packed`, `d`, `m`)."""
+    """One affine map as layer.c reads it: float32 Wᵀ [K, ldw] (`wt`), int4 (`packed`, `d`, `m`),
+    or `nseg` segments of GGUF block rows (`segments`, the address of an array of `Segment`)."""
 
     _fields_ = [("wt", ctypes.c_void_p), ("ldw", ctypes.c_int64), ("packed", ctypes.c_void_p),
                 ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("K", ctypes.c_int64), ("N", ctypes.c_int64)]
+                ("K", ctypes.c_int64), ("N", ctypes.c_int64), ("segments", ctypes.c_void_p),
+                ("nseg", ctypes.c_int64)]
 
 
 class BlockSpec(ctypes.Structure):
@@ -392,6 +463,7 @@ class Library:
         self.team = lib.hybridlm_team  # () -> the threads its loops get (PyTorch's count)
         self.affine = AffineKernel(lib)
         self.int4 = Int4Kernel(lib)
+        self.blockquant = BlockQuantKernel(lib)
         self.decode_attention = DecodeAttention(lib)
         self.blocks = BlockKernel(lib)
 
@@ -419,6 +491,12 @@ def int4() -> Int4Kernel | None:
     """The int4 product, or None (then `Int4Linear` uses PyTorch's)."""
     lib = library()
     return None if lib is None else lib.int4
+
+
+def blockquant() -> BlockQuantKernel | None:
+    """The product on GGUF's block grids, or None (then `BlockQuantLinear` dequantises in PyTorch)."""
+    lib = library()
+    return None if lib is None else lib.blockquant
 
 
 def decode_attention() -> DecodeAttention | None:

@@ -1,7 +1,7 @@
 """The build of the compiled kernels: the C sources of this folder compiled once per machine with
 the system's C compiler into one shared library, cached, and loaded with ctypes.
 
-Build. On first use `cc` compiles the sources (a few seconds) into `$HYBRIDLM_CACHE/kernels`
+Build. On first use `cc` compiles the sources side by side (a few seconds) into `$HYBRIDLM_CACHE/kernels`
 (default `~/.cache/hybridlm/kernels`), under a name that hashes the sources, the flags and the
 runtime, so a changed source or another machine's CPU gets its own build. AVX2, FMA and F16C are
 used where /proc/cpuinfo lists them; elsewhere the same sums run as plain C loops. AVX-512F is
@@ -36,7 +36,7 @@ from hybridlm.cache import cache_root
 from hybridlm.errors import InputError
 from hybridlm.lm.cpu import cpuinfo
 
-SOURCES = ("affine.c", "int4.c", "attention.c", "layer.c")  # in the folder of this module
+SOURCES = ("affine.c", "int4.c", "attention.c", "layer.c", "blockquant.c")  # in the folder of this module
 HEADERS = ("simd.h", "kernels.h")  # what they include (part of the build's digest)
 
 T = TypeVar("T")
@@ -93,16 +93,30 @@ def _build(compiler: str, flags: list[str], extra: dict, runtime: Path | None, s
             # Linked with the runtime file itself (not -fopenmp, which would add the system's
             # libgomp): the library then needs the runtime PyTorch has already loaded.
             link = [str(runtime), f"-Wl,-rpath,{runtime.parent}"] if runtime else []
-            steps = [[compiler, *flags, *extra.get(src, []), "-c", str(src), "-o", str(obj)]
-                     for src, obj in zip(sources, objects)]
-            steps.append([compiler, "-shared", *map(str, objects), "-o", str(lib), *link, "-lm"])
-            for cmd in steps:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
-                if done.returncode:
-                    raise Unavailable(f"build failed: {' '.join(cmd)}: {done.stderr.strip()[-400:]}")
+            compiles = [[compiler, *flags, *extra.get(src, []), "-c", str(src), "-o", str(obj)]
+                        for src, obj in zip(sources, objects)]
+            running = [(cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+                       for cmd in compiles]  # side by side: the sources compile independently
+            failed = [why for why in (_finished(cmd, proc) for cmd, proc in running) if why]  # (all waited for)
+            link_cmd = [compiler, "-shared", *map(str, objects), "-o", str(lib), *link, "-lm"]
+            failed = failed or [_finished(link_cmd, subprocess.Popen(link_cmd, stdout=subprocess.DEVNULL,
+                                                                     stderr=subprocess.PIPE, text=True))]
+            if failed[0]:
+                raise Unavailable(f"build failed: {failed[0]}")
             os.replace(lib, target)
     except (OSError, subprocess.SubprocessError) as exc:
         raise Unavailable(f"build failed: {exc}") from None
+
+
+def _finished(cmd: list[str], proc: subprocess.Popen) -> str | None:
+    """Wait for one step of the build: None, or why it failed (with its command)."""
+    try:
+        _, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return f"{' '.join(cmd)}: no result in 300 s"
+    return f"{' '.join(cmd)}: {err.strip()[-400:]}" if proc.returncode else None
 
 
 def torch_openmp() -> Path | None:
