@@ -10,7 +10,9 @@ blocks' bytes (a 4–8.5 bit grid instead of float32's 32 bits) and computes wit
   for all of them, the input in 16 bits per group of 32 (`kernels/blockquant.c` states the map:
   within the input's rounding and float32 accumulation of the float32 product on Ŵ, and
   batch-invariant: a row's bits do not depend on the rows beside it);
-- the product of more rows (a prefill) multiplies blocks of dequantised Ŵ in float32 (the BLAS);
+- the product of more rows (a prefill) takes the same 16-bit input with AVX-512 VNNI's multiply-adds
+  across output channels (each row's bits independent of the other rows, in another order than a
+  token step's), or, without them, multiplies blocks of dequantised Ŵ in float32 (the BLAS);
 - elsewhere (another device or dtype, autograd through x, no compiled library) x Ŵᵀ with Ŵ
   dequantised once and kept.
 

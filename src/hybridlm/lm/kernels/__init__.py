@@ -139,7 +139,9 @@ class BlockQuantKernel:
     exactly), and Ŵ itself, dequantised with the file's own arithmetic.
 
     A few rows (a token step: at most `STEP_ROWS`) take the kernel, which reads each weight byte
-    once for all of them. More rows are taken `BLOCK_COLUMNS` output channels at a time:
+    once for all of them. More rows (a prefill) are bound by arithmetic: where the build has
+    AVX-512 VNNI they take its 16-bit multiply-adds across output channels (`many_rows`; twice the
+    products per instruction of float32's), elsewhere `BLOCK_COLUMNS` output channels at a time,
     dequantised, then multiplied by the BLAS in float32.
     """
 
@@ -148,6 +150,8 @@ class BlockQuantKernel:
         self._affine = _function(lib.hybridlm_blockquant_affine, [p, i64, i64, p, i64, p, i64, p], ctypes.c_int)
         self._dequantise = _function(lib.hybridlm_blockquant_dequantise, [p, i64, i64, i64, p])
         self._rows = _function(lib.hybridlm_blockquant_rows, [p, i64, p, i64, p])
+        self._many = _function(lib.hybridlm_blockquant_many, [p, i64, i64, p, i64, p, i64, p], ctypes.c_int)
+        self.many_rows = bool(lib.hybridlm_blockquant_gemm())  # the compiled prefill product (AVX-512 VNNI)
         self._type = _function(lib.hybridlm_blockquant_type, [i64, p, p], ctypes.c_int)
 
     def block(self, kind: int) -> tuple[int, int] | None:
@@ -162,10 +166,10 @@ class BlockQuantKernel:
             x = x.contiguous()
         R = x.numel() // K if K else 0
         y = x.new_empty(x.shape[:-1] + (N,))
-        if R > STEP_ROWS:
+        if R > STEP_ROWS and not self.many_rows:
             return self._blocks(x.view(R, K), segments, K, b, y.view(R, N)).view(y.shape)
-        if R and self._affine(x.data_ptr(), R, K, ctypes.addressof(segments), len(segments), address(b), N,
-                              y.data_ptr()):
+        product = self._affine if R <= STEP_ROWS else self._many
+        if R and product(x.data_ptr(), R, K, ctypes.addressof(segments), len(segments), address(b), N, y.data_ptr()):
             raise MemoryError(f"block-quantised kernel: no memory for the 16-bit copy of a [{R}, {K}] input")
         return y
 

@@ -618,6 +618,169 @@ static void rows_of(const Segment *seg, const Input *in, int64_t R, int64_t o0, 
     }
 }
 
+#ifdef HYBRIDLM_VNNI
+/* The product of many rows (a prefill), AVX-512 VNNI: the integers I of the units as above, formed
+ * with 512-bit multiply-adds across output channels instead of along the row. A tile of NR outputs
+ * of a segment is unpacked once into 16-bit pairs of codes (c − z) (pairs[u][p][j]: codes 2p and
+ * 2p + 1 of unit u of output j), then MR rows of x at a time take the whole tile, lane j of two
+ * vectors per row holding output j:
+ *
+ *   acc_j ← fma(fl(D_u · s[r, g(u)]), float(I[r, o_j, u]), acc_j),   off_j ← fma(M_u, X[r, u], off_j)
+ *
+ * unit after unit, and y = (acc + off) + b: each output one fixed sequence of roundings (a row's
+ * bits do not depend on the other rows), another order than the token step's. */
+enum { NR = 32, MR = 4 };
+
+static void pack_tile(int64_t type, const Segment *seg, int64_t K, int64_t o0, int nt, int32_t *pairs, float *D,
+                      float *M) {
+    const int n16 = unit_size(type), P = n16 / 2, z = zero_code(type);
+    const int64_t units = K / n16;
+    for (int j = 0; j < NR; ++j) {
+        const uint8_t *row = j < nt ? seg->data + (o0 + j) * seg->row_bytes : NULL;
+        for (int64_t U = 0; U < units; ++U) {
+            int16_t c[32] __attribute__((aligned(32)));
+            float d = 0.f, m = 0.f;
+            if (row) {
+                int u;
+                const uint8_t *p = unit_block(type, row, U, &u);
+                __m256i a = _mm256_setzero_si256(), b = a;
+                codes(type, p, u, &a, &b);
+                _mm256_store_si256((__m256i *)c, _mm256_sub_epi16(a, _mm256_set1_epi16((short)z)));
+                if (n16 == 32) _mm256_store_si256((__m256i *)(c + 16), _mm256_sub_epi16(b, _mm256_set1_epi16((short)z)));
+                unit_scale(type, p, u, &d, &m);
+            } else {
+                memset(c, 0, sizeof c);
+            }
+            int32_t two[16];
+            memcpy(two, c, sizeof two);
+            for (int q = 0; q < P; ++q) pairs[(U * P + q) * NR + j] = two[q];
+            D[U * NR + j] = d, M[U * NR + j] = m;
+        }
+    }
+}
+
+/* Rows r0 … r0 + mr − 1 of x against one packed tile of nt ≤ NR outputs (y's columns from col). */
+INLINE void tile_rows(int64_t type, int mr, const int32_t *pairs, const float *D, const float *M, const Input *in,
+                      int64_t r0, float *y, int64_t ldy, int nt, const float *bias) {
+    const int n16 = unit_size(type), P = n16 / 2, minimum = has_minimum(type);
+    const int64_t units = in->K / n16;
+    __m512 acc[MR][2], off[MR][2];
+    const int16_t *x[MR];
+    const float *s[MR], *X[MR];
+    for (int r = 0; r < mr; ++r) {
+        acc[r][0] = acc[r][1] = off[r][0] = off[r][1] = _mm512_setzero_ps();
+        x[r] = in->xq + (r0 + r) * in->K, s[r] = scales_of(type, in, r0 + r), X[r] = sums_of(type, in, r0 + r);
+    }
+    for (int64_t U = 0; U < units; ++U) {
+        __m512i I[MR][2];
+        for (int r = 0; r < mr; ++r) I[r][0] = I[r][1] = _mm512_setzero_si512();
+        const int32_t *w = pairs + U * P * NR;
+        for (int q = 0; q < P; ++q) {
+            const __m512i w0 = _mm512_loadu_si512(w + q * NR), w1 = _mm512_loadu_si512(w + q * NR + 16);
+            for (int r = 0; r < mr; ++r) {
+                int32_t pair;
+                memcpy(&pair, x[r] + U * n16 + 2 * q, 4);
+                const __m512i xp = _mm512_set1_epi32(pair);
+                I[r][0] = _mm512_dpwssd_epi32(I[r][0], w0, xp), I[r][1] = _mm512_dpwssd_epi32(I[r][1], w1, xp);
+            }
+        }
+        const __m512 d0 = _mm512_loadu_ps(D + U * NR), d1 = _mm512_loadu_ps(D + U * NR + 16);
+        for (int r = 0; r < mr; ++r) {
+            const __m512 sr = _mm512_set1_ps(s[r][U]);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(d0, sr), _mm512_cvtepi32_ps(I[r][0]), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(d1, sr), _mm512_cvtepi32_ps(I[r][1]), acc[r][1]);
+        }
+        if (minimum) {
+            const __m512 m0 = _mm512_loadu_ps(M + U * NR), m1 = _mm512_loadu_ps(M + U * NR + 16);
+            for (int r = 0; r < mr; ++r) {
+                const __m512 Xr = _mm512_set1_ps(X[r][U]);
+                off[r][0] = _mm512_fmadd_ps(m0, Xr, off[r][0]), off[r][1] = _mm512_fmadd_ps(m1, Xr, off[r][1]);
+            }
+        }
+    }
+    const __mmask16 k0 = nt >= 16 ? 0xFFFF : (__mmask16)((1u << nt) - 1);
+    const __mmask16 k1 = nt >= 32 ? 0xFFFF : nt <= 16 ? 0 : (__mmask16)((1u << (nt - 16)) - 1);
+    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(k0, bias) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? _mm512_maskz_loadu_ps(k1, bias + 16) : _mm512_setzero_ps();
+    for (int r = 0; r < mr; ++r) {
+        _mm512_mask_storeu_ps(y + r * ldy, k0, _mm512_add_ps(_mm512_add_ps(acc[r][0], off[r][0]), b0));
+        _mm512_mask_storeu_ps(y + r * ldy + 16, k1, _mm512_add_ps(_mm512_add_ps(acc[r][1], off[r][1]), b1));
+    }
+}
+
+/* One packed tile against every row of x, MR rows at a time (the count a constant in each call). */
+INLINE void tile_all_rows(int64_t type, const int32_t *pairs, const float *D, const float *M, const Input *in,
+                          int64_t R, float *y, int64_t N, int nt, const float *bias) {
+    int64_t r = 0;
+    for (; r + MR <= R; r += MR) tile_rows(type, MR, pairs, D, M, in, r, y + r * N, N, nt, bias);
+    switch (R - r) {
+    case 3: tile_rows(type, 3, pairs, D, M, in, r, y + r * N, N, nt, bias); break;
+    case 2: tile_rows(type, 2, pairs, D, M, in, r, y + r * N, N, nt, bias); break;
+    case 1: tile_rows(type, 1, pairs, D, M, in, r, y + r * N, N, nt, bias); break;
+    }
+}
+
+static void tile_product(const Segment *seg, const int32_t *pairs, const float *D, const float *M, const Input *in,
+                         int64_t R, float *y, int64_t N, int nt, const float *bias) {
+    switch (seg->type) {
+    case Q4_0: tile_all_rows(Q4_0, pairs, D, M, in, R, y, N, nt, bias); break;
+    case Q4_1: tile_all_rows(Q4_1, pairs, D, M, in, R, y, N, nt, bias); break;
+    case Q5_0: tile_all_rows(Q5_0, pairs, D, M, in, R, y, N, nt, bias); break;
+    case Q5_1: tile_all_rows(Q5_1, pairs, D, M, in, R, y, N, nt, bias); break;
+    case Q8_0: tile_all_rows(Q8_0, pairs, D, M, in, R, y, N, nt, bias); break;
+    case Q2_K: tile_all_rows(Q2_K, pairs, D, M, in, R, y, N, nt, bias); break;
+    case Q3_K: tile_all_rows(Q3_K, pairs, D, M, in, R, y, N, nt, bias); break;
+    case Q4_K: tile_all_rows(Q4_K, pairs, D, M, in, R, y, N, nt, bias); break;
+    case Q5_K: tile_all_rows(Q5_K, pairs, D, M, in, R, y, N, nt, bias); break;
+    case Q6_K: tile_all_rows(Q6_K, pairs, D, M, in, R, y, N, nt, bias); break;
+    }
+}
+
+/* Whether this build has the many-rows product (else the caller dequantises blocks for its BLAS). */
+int hybridlm_blockquant_gemm(void) { return 1; }
+
+/* y [R, N] = x Ŵᵀ + b as hybridlm_blockquant_affine, for many rows (tiles of NR outputs over the
+ * OpenMP team). Returns 0, or −1 without scratch memory (y is then not written completely). */
+int hybridlm_blockquant_many(const float *x, int64_t R, int64_t K, const Segment *segs, int64_t nseg, const float *b,
+                             int64_t N, float *y) {
+    Input in;
+    if (prepare(x, R, K, &in)) return -1;
+    int64_t tiles = 0;
+    for (int64_t i = 0; i < nseg; ++i) tiles += (segs[i].rows + NR - 1) / NR;
+    int failed = 0;
+#pragma omp parallel
+    {
+        const int64_t units = K / 16; /* (room for units of 16 or 32) */
+        int32_t *pairs = malloc(sizeof(int32_t) * (size_t)(units * 8 * NR) + 2 * sizeof(float) * (size_t)(units * NR));
+        if (!pairs) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        float *D = pairs ? (float *)(pairs + units * 8 * NR) : NULL, *M = D ? D + units * NR : NULL;
+#pragma omp for schedule(dynamic)
+        for (int64_t t = 0; t < tiles; ++t) {
+            if (!pairs) continue;
+            int64_t i = 0, first = t, col = 0; /* the segment of tile t, and the tile's place in it */
+            while (first >= (segs[i].rows + NR - 1) / NR) first -= (segs[i].rows + NR - 1) / NR, col += segs[i].rows, ++i;
+            const int64_t o0 = first * NR;
+            const int nt = (int)(segs[i].rows - o0 < NR ? segs[i].rows - o0 : NR);
+            pack_tile(segs[i].type, &segs[i], K, o0, nt, pairs, D, M);
+            tile_product(&segs[i], pairs, D, M, &in, R, y + col + o0, N, nt, b ? b + col + o0 : NULL);
+        }
+        free(pairs);
+    }
+    free(in.xq);
+    return failed ? -1 : 0;
+}
+#else
+int hybridlm_blockquant_gemm(void) { return 0; }
+
+int hybridlm_blockquant_many(const float *x, int64_t R, int64_t K, const Segment *segs, int64_t nseg, const float *b,
+                             int64_t N, float *y) {
+    return hybridlm_blockquant_affine(x, R, K, segs, nseg, b, N, y);
+}
+#endif
+
 /* y [R, N] = x Ŵᵀ + b for x [R, K] float32 (rows contiguous) and Ŵ the stack of `nseg` segments
  * (N rows together, each K wide: K a multiple of their block sizes); b [N] or NULL. Returns 0,
  * or −1 when the scratch for x̂ could not be allocated (y is then untouched). */
