@@ -87,7 +87,7 @@ class GGML:
     def product(self, raw: np.ndarray, kind: str, K: int, R: int):
         """A function computing X Wᵀ for W the blocks `raw` [N, bytes] of `kind` and X [R, K], and X's memory."""
         N = raw.shape[0]
-        ctx = self.ggml_init(self._Params(raw.nbytes + 8 * R * (K + N) + (64 << 20), None, False))
+        ctx = self.ggml_init(self._Params(raw.nbytes + 8 * R * (K + N) + (256 << 20), None, False))
         W = self.ggml_new_tensor_2d(ctx, int(gguf.GGMLQuantizationType[kind]), K, N)
         X = self.ggml_new_tensor_2d(ctx, 0, K, R)
         ctypes.memmove(self.ggml_get_data(W), raw.ctypes.data, raw.nbytes)
