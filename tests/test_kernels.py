@@ -16,8 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridlm.lm import kernels
 from hybridlm.errors import InputError
+from hybridlm.lm import kernels
+from hybridlm.lm.kernels import build
 from hybridlm.lm.quantize import Int4Linear, _aten_int4_kernel, set_precision
 
 F64 = torch.float64
@@ -382,17 +383,17 @@ def test_pytorch_paths_can_be_chosen_and_a_bad_choice_is_named(fresh, monkeypatc
 
 
 def test_without_a_compiler_the_path_falls_back(fresh, monkeypatch):
-    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
     assert kernels.library() is None and "no C compiler" in kernels.status()
 
 
 def test_a_failed_build_is_named_and_the_path_still_works(fresh, monkeypatch):
     (fresh / "src").mkdir()
     (fresh / "src" / "int4.c").write_text("this is not C\n")
-    for name in (*(s for s in kernels._SOURCES if s != "int4.c"), *kernels._HEADERS):
-        (fresh / "src" / name).write_text((kernels._folder() / name).read_text())
-    monkeypatch.setattr(kernels, "_folder", lambda: fresh / "src")
-    if kernels.shutil.which("cc") is None and kernels.shutil.which("gcc") is None:
+    for name in (*(s for s in build.SOURCES if s != "int4.c"), *build.HEADERS):
+        (fresh / "src" / name).write_text((build.folder() / name).read_text())
+    monkeypatch.setattr(build, "folder", lambda: fresh / "src")
+    if build.shutil.which("cc") is None and build.shutil.which("gcc") is None:
         pytest.skip("no C compiler here")
     W, b = weights(8, 64, 0)
     with pytest.warns(UserWarning, match="build failed"):
@@ -404,7 +405,7 @@ def test_a_failed_build_is_named_and_the_path_still_works(fresh, monkeypatch):
 
 def test_the_portable_c_build_is_the_same_map(fresh, monkeypatch):
     """Where the CPU lacks AVX2, FMA or F16C the kernels are plain C loops: the same checks."""
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: [])
+    monkeypatch.setattr(build, "cpu_flags", list)
     lib = kernels.library()
     if lib is None:
         pytest.skip(kernels.status())
@@ -433,7 +434,7 @@ def test_torch_set_num_threads_governs_the_kernel():
     """The kernel's loops run on PyTorch's own OpenMP runtime: its team follows
     torch.set_num_threads (a second runtime would keep its own count, and its own pool)."""
     k, threads = kernels.library(), torch.get_num_threads()
-    if kernels._torch_openmp() is None:
+    if build.torch_openmp() is None:
         pytest.skip("PyTorch here maps no OpenMP runtime")
     try:
         for n in (1, 3, 2):

@@ -26,45 +26,23 @@ PyTorch operations and the Python between them as in its products. The staged pa
 point inside a sublayer) calls the same norms and activations one at a time, so a block's bits
 do not depend on what watches it.
 
-Each source's header states its map exactly.
-
-Threads. The library is linked against the OpenMP runtime that PyTorch loaded (found in
-the process's memory map), so its parallel loops run on PyTorch's own intra-op pool and
-`torch.set_num_threads` governs them. A second OpenMP runtime would keep a second pool of
-spinning workers fighting PyTorch's for the cores.
-
-Build. On first use `cc` compiles the sources (about two seconds) into
-`$HYBRIDLM_CACHE/kernels` (default `~/.cache/hybridlm/kernels`), under a name that hashes
-the sources, the flags and the runtime, so a changed source or another machine's CPU gets
-its own build. AVX2, FMA and F16C are used where /proc/cpuinfo lists them; elsewhere the
-same sums run as plain C loops. Where no compiler is found or the build fails, `library()`
-returns None (with the reason in `status()`) and every caller keeps its PyTorch path.
-`HYBRIDLM_KERNELS=off` chooses the PyTorch paths outright.
+Each source's header states its map exactly. `build` compiles them into one library (once per
+machine, cached) that runs its loops on PyTorch's own thread pool.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
-from hybridlm.cache import cache_root
 from hybridlm.errors import InputError
-from hybridlm.lm.cpu import cpuinfo
+from hybridlm.lm.kernels import build
 
 STEP_ROWS = 32  # a product of at most this many rows (a token step's) takes the compiled kernels
 BLOCK_COLUMNS = 768  # a product of more rows is taken this many output columns at a time (the BLAS's)
-
-_SOURCES = ("affine.c", "int4.c", "attention.c", "layer.c")  # in the folder of this module
-_HEADERS = ("simd.h", "kernels.h")  # what they include (part of the build's digest)
 
 
 class AffineKernel:
@@ -145,6 +123,79 @@ class Int4Kernel:
                 torch.mm(rows, block.t(), out=y[:, i:j])
             else:
                 torch.addmm(b[i:j], rows, block.t(), out=y[:, i:j])
+        return y
+
+
+class Segment(ctypes.Structure):
+    """Rows of GGUF blocks as blockquant.c reads them: `rows` rows of ggml type `type`, each
+    `row_bytes` long, from address `data` on."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("type", ctypes.c_int64), ("rows", ctypes.c_int64),
+                ("row_bytes", ctypes.c_int64)]
+
+
+class BlockQuantKernel:
+    """y = x Ŵᵀ + b for Ŵ a stack of segments of GGUF block rows (blockquant.c states the map
+    exactly), and Ŵ itself, dequantised with the file's own arithmetic.
+
+    A few rows (a token step: at most `STEP_ROWS`) take the kernel, which reads each weight byte
+    once for all of them. More rows (a prefill) are bound by arithmetic: where the build has
+    AVX-512 VNNI they take its 16-bit multiply-adds across output channels (`many_rows`; twice the
+    products per instruction of float32's), elsewhere `BLOCK_COLUMNS` output channels at a time,
+    dequantised, then multiplied by the BLAS in float32.
+    """
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._affine = _function(lib.hybridlm_blockquant_affine, [p, i64, i64, p, i64, p, i64, p], ctypes.c_int)
+        self._dequantise = _function(lib.hybridlm_blockquant_dequantise, [p, i64, i64, i64, p])
+        self._rows = _function(lib.hybridlm_blockquant_rows, [p, i64, p, i64, p])
+        self._many = _function(lib.hybridlm_blockquant_many, [p, i64, i64, p, i64, p, i64, p], ctypes.c_int)
+        self.many_rows = bool(lib.hybridlm_blockquant_gemm())  # the compiled prefill product (AVX-512 VNNI)
+        self._type = _function(lib.hybridlm_blockquant_type, [i64, p, p], ctypes.c_int)
+
+    def block(self, kind: int) -> tuple[int, int] | None:
+        """(weights, bytes) of a block of ggml type `kind`, or None where the kernel does not read it."""
+        weights, size = ctypes.c_int64(), ctypes.c_int64()
+        return (weights.value, size.value) if self._type(kind, ctypes.byref(weights), ctypes.byref(size)) else None
+
+    def affine(self, x: torch.Tensor, segments, K: int, N: int, b: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] float32 → [..., N]; `segments` a ctypes array of `Segment` (N rows together,
+        whose memory the caller keeps), b [N] contiguous float32 or None."""
+        if not x.is_contiguous():
+            x = x.contiguous()
+        R = x.numel() // K if K else 0
+        y = x.new_empty(x.shape[:-1] + (N,))
+        if R > STEP_ROWS and not self.many_rows:
+            return self._blocks(x.view(R, K), segments, K, b, y.view(R, N)).view(y.shape)
+        product = self._affine if R <= STEP_ROWS else self._many
+        if R and product(x.data_ptr(), R, K, ctypes.addressof(segments), len(segments), address(b), N, y.data_ptr()):
+            raise MemoryError(f"block-quantised kernel: no memory for the 16-bit copy of a [{R}, {K}] input")
+        return y
+
+    def dequantise(self, segment: Segment, K: int, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        """Rows start..stop of one segment's Ŵ into out [stop − start, K] (contiguous float32)."""
+        self._dequantise(ctypes.addressof(segment), K, start, stop, out.data_ptr())
+        return out
+
+    def rows(self, segment: Segment, K: int, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Rows ids (contiguous int64, in range) of one segment's Ŵ into out [len(ids), K]."""
+        self._rows(ctypes.addressof(segment), K, ids.data_ptr(), ids.numel(), out.data_ptr())
+        return out
+
+    def _blocks(self, rows, segments, K, b, y):
+        w = rows.new_empty(min(BLOCK_COLUMNS, max(s.rows for s in segments)), K)
+        col = 0
+        for segment in segments:
+            for i in range(0, segment.rows, BLOCK_COLUMNS):
+                j = min(i + BLOCK_COLUMNS, segment.rows)
+                block = self.dequantise(segment, K, i, j, w[: j - i])
+                out = y[:, col + i : col + j]
+                if b is None:
+                    torch.mm(rows, block.t(), out=out)
+                else:
+                    torch.addmm(b[col + i : col + j], rows, block.t(), out=out)
+            col += segment.rows
         return y
 
 
@@ -236,11 +287,13 @@ class DecodeAttention:
 
 
 class Product(ctypes.Structure):
-    """One affine map as layer.c reads it: float32 Wᵀ [K, ldw] (`wt`), or int4 (`packed`, `d`, `m`)."""
+    """One affine map as layer.c reads it: float32 Wᵀ [K, ldw] (`wt`), int4 (`packed`, `d`, `m`),
+    or `nseg` segments of GGUF block rows (`segments`, the address of an array of `Segment`)."""
 
     _fields_ = [("wt", ctypes.c_void_p), ("ldw", ctypes.c_int64), ("packed", ctypes.c_void_p),
                 ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("K", ctypes.c_int64), ("N", ctypes.c_int64)]
+                ("K", ctypes.c_int64), ("N", ctypes.c_int64), ("segments", ctypes.c_void_p),
+                ("nseg", ctypes.c_int64)]
 
 
 class BlockSpec(ctypes.Structure):
@@ -414,6 +467,7 @@ class Library:
         self.team = lib.hybridlm_team  # () -> the threads its loops get (PyTorch's count)
         self.affine = AffineKernel(lib)
         self.int4 = Int4Kernel(lib)
+        self.blockquant = BlockQuantKernel(lib)
         self.decode_attention = DecodeAttention(lib)
         self.blocks = BlockKernel(lib)
 
@@ -425,8 +479,8 @@ def library() -> Library | None:
     """The compiled library, built on first call; None where it cannot be used here."""
     if "library" not in _state:
         try:
-            _state["library"], _state["why"] = _load(), "compiled"
-        except _Unavailable as exc:
+            _state["library"], _state["why"] = build.load(Library), "compiled"
+        except build.Unavailable as exc:
             _state["library"], _state["why"] = None, str(exc)
     return _state["library"]
 
@@ -441,6 +495,12 @@ def int4() -> Int4Kernel | None:
     """The int4 product, or None (then `Int4Linear` uses PyTorch's)."""
     lib = library()
     return None if lib is None else lib.int4
+
+
+def blockquant() -> BlockQuantKernel | None:
+    """The product on GGUF's block grids, or None (then `BlockQuantLinear` dequantises in PyTorch)."""
+    lib = library()
+    return None if lib is None else lib.blockquant
 
 
 def decode_attention() -> DecodeAttention | None:
@@ -460,97 +520,9 @@ def status() -> str:
     lib = library()
     if lib is None:
         return f"PyTorch's kernels ({_state['why']})"
-    vectors = ("AVX2 and AVX-512" if "-mavx512f" in _cpu_flags() else "AVX2") if lib.vectorised else "portable C"
+    vectors = ("AVX2 and AVX-512" if "-mavx512f" in build.cpu_flags() else "AVX2") if lib.vectorised else "portable C"
     return (f"hybridlm's kernels ({vectors}): batch-invariant float32 and int4 products (int4 with 16-bit input "
             f"per group of 32), decode and fork attention, compiled blocks")
-
-
-class _Unavailable(Exception):
-    pass
-
-
-def _load() -> Library:
-    choice = os.environ.get("HYBRIDLM_KERNELS", "auto").lower()
-    if choice not in ("auto", "off"):
-        raise InputError(f"HYBRIDLM_KERNELS={choice!r}: expected auto or off")
-    if choice == "off":
-        raise _Unavailable("HYBRIDLM_KERNELS=off")
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        raise _Unavailable("no C compiler found")
-    runtime = _torch_openmp()
-    flags = ["-O3", "-fPIC", "-std=c11", "-ffp-contract=off"] + _cpu_flags() + (["-fopenmp"] if runtime else [])
-    sources = [_folder() / name for name in _SOURCES]
-    texts = [path.read_bytes() for path in [*sources, *(_folder() / name for name in _HEADERS)]]
-    digest = hashlib.sha256(b"\0".join([*texts, " ".join(flags).encode(),
-                                        str(runtime).encode(), compiler.encode()])).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"hybridlm-{digest}.so"
-    if not target.exists():
-        _build(compiler, flags, runtime, sources, target)
-    try:
-        return Library(ctypes.CDLL(str(target)), target)
-    except (OSError, AttributeError):  # a damaged cache file: built again, once
-        _build(compiler, flags, runtime, sources, target)
-    try:
-        return Library(ctypes.CDLL(str(target)), target)
-    except (OSError, AttributeError) as exc:
-        raise _Unavailable(f"could not load {target}: {exc}") from None
-
-
-def _folder() -> Path:
-    return Path(__file__).parent
-
-
-def _build(compiler: str, flags: list[str], runtime: Path | None, sources: list[Path], target: Path) -> None:
-    """Compile and link into `target` atomically (a temporary file, then a rename)."""
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            objects = [Path(tmp) / f"{src.stem}.o" for src in sources]
-            lib = Path(tmp) / "hybridlm.so"
-            # Linked with the runtime file itself (not -fopenmp, which would add the system's
-            # libgomp): the library then needs the runtime PyTorch has already loaded.
-            link = [str(runtime), f"-Wl,-rpath,{runtime.parent}"] if runtime else []
-            steps = [[compiler, *flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(sources, objects)]
-            steps.append([compiler, "-shared", *map(str, objects), "-o", str(lib), *link, "-lm"])
-            for cmd in steps:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-                if done.returncode:
-                    raise _Unavailable(f"build failed: {' '.join(cmd)}: {done.stderr.strip()[-400:]}")
-            os.replace(lib, target)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise _Unavailable(f"build failed: {exc}") from None
-
-
-def _torch_openmp() -> Path | None:
-    """The OpenMP runtime file that PyTorch mapped into this process, if any (Linux)."""
-    torch.get_num_threads()  # PyTorch's runtime is mapped once its thread pool is asked about
-    try:
-        with open("/proc/self/maps") as fh:
-            mapped = {Path(line.split()[-1]) for line in fh if "/" in line}
-    except OSError:
-        return None
-    home = Path(torch.__file__).resolve().parent.parent  # site-packages: torch/lib, torch.libs
-    runtimes = sorted(p for p in mapped if p.name.startswith(("libgomp", "libiomp5", "libomp")) and p.exists())
-    for p in runtimes:  # PyTorch's own first, should another library have mapped a second one
-        if home in p.resolve().parents:
-            return p
-    return runtimes[0] if runtimes else None
-
-
-def _cpu_flags() -> list[str]:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return []
-    have = set((cpuinfo("flags") or "").split())
-    if not {"avx2", "fma", "f16c"} <= have:
-        return []
-    return ["-mavx2", "-mfma", "-mf16c"] + (["-mavx512f"] if "avx512f" in have and _avx512_wanted() else [])
-
-
-def _avx512_wanted() -> bool:
-    """AVX-512 vectors in the affine kernel (the same bits as AVX2: each output's multiply-adds
-    in the same order); HYBRIDLM_AVX512=off leaves them out."""
-    return os.environ.get("HYBRIDLM_AVX512", "on").lower() not in ("0", "off", "no", "false")
 
 
 def warn_unavailable() -> None:

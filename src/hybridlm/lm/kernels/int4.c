@@ -53,22 +53,6 @@ int hybridlm_team(void) {
 #endif
 }
 
-static float half_to_float(uint16_t h) {
-#ifdef HYBRIDLM_AVX2
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-    float v;
-    if (exp == 0)
-        v = ldexpf((float)man, -24); /* zero and subnormals */
-    else if (exp == 31)
-        v = man ? NAN : INFINITY;
-    else
-        v = ldexpf((float)(man | 0x400), (int)exp - 25);
-    return sign ? -v : v;
-#endif
-}
-
 /* x̂ and s of every group of every row, and the exact group sums X. */
 static void quantise_input(const float *x, int64_t R, int64_t K, int16_t *xq, float *s, float *X) {
     const int64_t G = K / GROUP;

@@ -5,8 +5,9 @@
  *
  *   h̃ = h + Attn_ℓ(LN_{ℓ,1}(h)) W_O + b_O,        h ← h̃ + MLP_ℓ(LN_{ℓ,2}(h̃))
  *
- * through the products of affine.c (float32) or int4.c (int4), the attention of attention.c, and
- * the norms and activations below, which the staged path also calls for a token step's rows:
+ * through the products of affine.c (float32), int4.c (int4) or blockquant.c (GGUF's block grids),
+ * the attention of attention.c, and the norms and activations below, which the staged path also
+ * calls for a token step's rows:
  * the same operations in the same order, so a block's output has the same bits whichever path
  * runs it, and (every kernel being batch-invariant) whatever rows stand beside it.
  *
@@ -32,8 +33,9 @@
 #define HYBRIDLM_AVX2 1
 #endif
 
-/* One affine map x ↦ x Wᵀ + b: float32 with W stored column by column (wt = Wᵀ [K, ldw]), or
- * int4 on GGUF's Q4_1 grid (wt NULL; packed [N, K/2], d and m [N, K/32]). bias [N] or NULL. */
+/* One affine map x ↦ x Wᵀ + b: float32 with W stored column by column (wt = Wᵀ [K, ldw]), int4
+ * on GGUF's Q4_1 grid (packed [N, K/2], d and m [N, K/32]), or nseg segments of GGUF block rows
+ * (blockquant.c; segments not NULL). bias [N] or NULL. */
 typedef struct {
     const float *wt;
     int64_t ldw;
@@ -41,6 +43,8 @@ typedef struct {
     const uint16_t *d, *m;
     const float *bias;
     int64_t K, N;
+    const Segment *segments;
+    int64_t nseg;
 } Product;
 
 /* One block's parameters (hybridlm.lm.step.BlockSpec mirrors this layout). */
@@ -59,6 +63,7 @@ typedef struct {
 } Sizes;
 
 static int product(const Product *p, const float *x, int64_t R, float *y) {
+    if (p->segments) return hybridlm_blockquant_affine(x, R, p->K, p->segments, p->nseg, p->bias, p->N, y);
     return p->wt ? hybridlm_affine(x, R, p->K, p->wt, p->ldw, p->bias, p->N, y)
                  : hybridlm_int4_affine(x, R, p->K, p->packed, p->d, p->m, p->bias, p->N, y);
 }

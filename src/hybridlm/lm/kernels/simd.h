@@ -2,6 +2,30 @@
 #ifndef HYBRIDLM_SIMD_H
 #define HYBRIDLM_SIMD_H
 
+#include <math.h>
+#include <stdint.h>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* An IEEE half float (its bits) as a float: exact, subnormals included. */
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    float v;
+    if (exp == 0)
+        v = ldexpf((float)man, -24); /* zero and subnormals */
+    else if (exp == 31)
+        v = man ? NAN : INFINITY;
+    else
+        v = ldexpf((float)(man | 0x400), (int)exp - 25);
+    return h & 0x8000 ? -v : v;
+#endif
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
