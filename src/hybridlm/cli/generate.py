@@ -81,7 +81,7 @@ def _constraint(source, model, budget: int):
 @click.option("--max-new-tokens", "-n", default=64, show_default=True, type=click.IntRange(min=0))
 @click.option("--greedy", is_flag=True, help="Greedy decoding (the limit τ → 0).")
 @click.option("--temperature", "-t", type=float, default=None, help="Temperature τ > 0 [default: 1].")
-@click.option("--top-k", type=int, default=None, help="Keep the K most likely tokens (K ≥ 1).")
+@click.option("--top-k", type=int, default=None, help="Keep the K most likely tokens (K ≥ 1; 0: off, as llama.cpp).")
 @click.option("--top-p", type=float, default=None, help="Nucleus: keep the smallest set of mass ≥ P, P in (0, 1].")
 @click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
               help="Subtract A × (times the token was generated) from its logit (OpenAI's frequency penalty).")
