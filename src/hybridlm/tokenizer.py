@@ -18,6 +18,7 @@ from pathlib import Path
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from hybridlm.chat_template import render_chat_template
 from hybridlm.errors import InputError, ModelNotFoundError
 
 
@@ -138,24 +139,22 @@ class Tokenizer:
     def stop_ids(self) -> set[int]:
         return {i for i in (self.eos_id, *self.end_of_turn_ids) if i is not None}
 
-    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        """Render messages with the model's chat template (jinja2)."""
+    def render_chat(self, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                    **template_kwargs) -> str:
+        """Render `messages` (OpenAI-style, calls in `tool_calls`) and `tools` (OpenAI-style function schemas)
+        with the model's chat template, as `transformers`' `apply_chat_template(tokenize=False)` renders them
+        (hybridlm.chat_template). `template_kwargs` reach the template (`enable_thinking`, `now` pins
+        `strftime_now`'s clock)."""
         if not self.chat_template:
             raise InputError(f"tokenizer {self.name!r} has no chat template; drop --chat")
-        import jinja2.sandbox
+        return render_chat_template(self.chat_template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                    **{**self.special_tokens_map, **template_kwargs})
 
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message):
-            raise InputError(f"chat template: {message}")
-
-        env.globals["raise_exception"] = raise_exception
-        template = env.from_string(self.chat_template)
-        special = {
-            "bos_token": "" if self.bos_id is None else self.token_str(self.bos_id),
-            "eos_token": "" if self.eos_id is None else self.token_str(self.eos_id),
-        }
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+    @functools.cached_property
+    def special_tokens_map(self) -> dict[str, str]:
+        """The special tokens a template reads by name (`bos_token`, `eos_token`)."""
+        return {name: self.token_str(i) for name, i in (("bos_token", self.bos_id), ("eos_token", self.eos_id))
+                if i is not None}
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name}, V={self.vocab_size}, eos={self.eos_id})"
