@@ -32,7 +32,7 @@ import jinja2.utils
 
 from hybridlm.errors import InputError
 
-# Two noncharacters of the private use area: they never occur in text a template writes on its own.
+# Two Unicode noncharacters: no text a template writes holds them; they are removed from untrusted text.
 MARK_OPEN, MARK_CLOSE = "\ufdd0", "\ufdd1"
 
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")

@@ -228,8 +228,9 @@ def _prompt_ids(prompt: str, model, *, ids: list[int] | None, chat: bool) -> lis
     if ids is None:
         if tok is None:
             raise InputError(f"model {model.source} has no tokenizer: pass token ids with --ids")
-        text = tok.render_chat([{"role": "user", "content": prompt}]) if chat else prompt
-        ids = tok.encode_markup(text)
+        # --chat: the prompt is a user's text inside the template's markup; without it, the prompt is the raw text
+        # the model reads, markup included.
+        ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode_markup(prompt)
     check_tokens(ids, model.config.vocab_size)
     return ids
 
