@@ -103,6 +103,7 @@ class Tokenizer:
         # since encodings run in several threads (a second backend would cost a second vocabulary).
         with self._lock:
             self.backend.encode_special_tokens = special_tokens_are_text
+            original = self.backend.pre_tokenizer
             swap = after_text and self._inner_pre_tokenizer is not None
             if swap:
                 self.backend.pre_tokenizer = self._inner_pre_tokenizer
@@ -117,11 +118,7 @@ class Tokenizer:
             finally:
                 self.backend.encode_special_tokens = False
                 if swap:
-                    self.backend.pre_tokenizer = self._pre_tokenizer
-
-    @functools.cached_property
-    def _pre_tokenizer(self):
-        return self.backend.pre_tokenizer
+                    self.backend.pre_tokenizer = original
 
     @functools.cached_property
     def _inner_pre_tokenizer(self):
