@@ -49,7 +49,7 @@ TOOLS = [
         "name": "get_weather", "description": "Weather in a city, \"now\" & <later>; 'quoted'.",
         "parameters": {"type": "object", "properties": {
             "city": {"type": "string", "description": "the city"},
-            "unit": {"type": "string", "enum": ["c", "f"], "default": None}}, "required": ["city"]}}},
+            "unit": {"type": "string", "enum": ["c", "f"]}}, "required": ["city"]}}},
     {"type": "function", "function": {
         "name": "calculator", "description": "Evaluate an arithmetic expression.",
         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}},
