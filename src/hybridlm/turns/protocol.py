@@ -71,7 +71,7 @@ class Protocol:
 
     # ------------------------------------------------------------------ their tokens
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.encode_markup(self.tokenizer.render_chat(messages, add_generation_prompt=True))
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
 
     def prompt_ids_and_marks(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         """The prompt, and where each message before the last ends in it: the boundaries of its
@@ -81,7 +81,7 @@ class Protocol:
         ids = self.prompt_ids(messages)
         marks = []
         for i in range(1, len(messages)):
-            head = tok.encode_markup(tok.render_chat(messages[:i], add_generation_prompt=False))
+            head = tok.encode_chat(messages[:i], add_generation_prompt=False)
             if len(head) < len(ids) and ids[: len(head)] == head:
                 marks.append(len(head))
         return ids, marks
@@ -98,15 +98,17 @@ class Protocol:
         tok = self.tokenizer
         if isinstance(observations, str):
             observations = [observations]
-        before = tok.render_chat(messages, add_generation_prompt=False)
+        # Rendered with the special-token strings of the messages and observations marked as text: only the
+        # template's own text becomes special tokens (a tool's output cannot close its turn).
+        before = tok.render_chat_marked(messages, add_generation_prompt=False)
         tool_turns = [{"role": "tool", "content": self.codec.render_result(y)} for y in observations]
-        after = tok.render_chat([*messages, *tool_turns], add_generation_prompt=True)
+        after = tok.render_chat_marked([*messages, *tool_turns], add_generation_prompt=True)
         if not after.startswith(before):
             raise ValueError("the chat template does not render conversations as growing prefixes")
         # `before` ends with the rendered end of the assistant turn, which the model has not
         # generated (generation stops at the call's end): inject it as part of enc(y).
-        content = messages[-1]["content"]
+        content = tok.mark_untrusted(messages[-1]["content"])
         call_end = before[before.rindex(content) + len(content):]
         if turn_closed and tok.end_of_turn_id is not None:
             call_end = call_end.removeprefix(tok.token_str(tok.end_of_turn_id))
-        return tok.encode_markup(call_end + after[len(before):])
+        return tok.encode_rendered(call_end + after[len(before):])
