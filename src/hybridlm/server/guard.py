@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import weakref
 from collections.abc import Iterable
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -145,3 +146,31 @@ class GuardedH11(H11Protocol):
 def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[GuardedH11]:
     return type("GuardedH11", (GuardedH11,), {"header_timeout_s": header_timeout_s,
                                               "max_connections": max_connections})
+
+
+# ---------------------------------------------------------------------- a prompt's size before its rendering
+_longest: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """The most bytes of text one token of the vocabulary stands for (computed once per tokenizer)."""
+    found = _longest.get(tokenizer)
+    if found is None:
+        found = max((len(tokenizer.token_str(i).encode("utf-8", "surrogatepass")) for i in range(tokenizer.vocab_size)),
+                    default=1)
+        _longest[tokenizer] = found = max(1, found)
+    return found
+
+
+def check_prompt_size(tokenizer, n_ctx: int, texts: Iterable[str], param: str = "messages") -> None:
+    """400 (context_length_exceeded) for text that cannot fit the context whatever its tokens: every token
+    stands for at most `longest_token_bytes` bytes, so text of more bytes than n_ctx times that is over the
+    horizon. Checked before the conversation is rendered and tokenised (that work grows with the text)."""
+    from hybridlm.server.wire import invalid
+
+    size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    most = n_ctx * longest_token_bytes(tokenizer)
+    if size > most:
+        raise invalid(f"This model's maximum context length is {n_ctx} tokens; your {param} hold {size:,} bytes of "
+                      f"text, more than {n_ctx} tokens of this vocabulary can hold ({most:,})", param=param,
+                      code="context_length_exceeded")
