@@ -36,6 +36,12 @@ from hybridlm.cli.options import (
               help="Jump horizon of a request's server-side tool calls.")
 @click.option("--max-arcs", default=1000, show_default=True, type=click.IntRange(min=1),
               help="Arcs kept for GET /v1/arcs/{id} (the oldest dropped first).")
+@click.option("--allowed-hosts", default="", metavar="NAMES",
+              help="Comma-separated host names the server answers besides its address and localhost (a name "
+                   "behind a proxy; '*' for any). Other Host headers get 421 (DNS rebinding).")
+@click.option("--allowed-origins", default="", metavar="ORIGINS",
+              help="Comma-separated web origins (https://app.example) whose pages may call the server (CORS); "
+                   "'*' for any. Other origins get 403.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @mcp_options
@@ -43,8 +49,8 @@ from hybridlm.cli.options import (
 @precision_option("auto")
 @context_option
 def serve(model_spec, model_id, host, port, tools, kb, api_key, max_batch, max_queue, prefix_cache_mb,
-          continuation_mb, max_body_mb, max_jumps, max_arcs, log_level, mcp, mcp_timeout, chat_template, precision,
-          context_policy):
+          continuation_mb, max_body_mb, max_jumps, max_arcs, allowed_hosts, allowed_origins, log_level, mcp,
+          mcp_timeout, chat_template, precision, context_policy):
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, tools, streaming)."""
     from hybridlm.errors import InputError
     from hybridlm.server import Service, serve as run_server
@@ -53,6 +59,12 @@ def serve(model_spec, model_id, host, port, tools, kb, api_key, max_batch, max_q
     if api_key is not None and not api_key.strip():
         raise InputError("--api-key is empty: give a key, or leave the option out for no key")
     from hybridlm.server.run import bind
+
+    hosts = tuple(h.strip() for h in allowed_hosts.split(",") if h.strip())
+    origins = tuple(o.strip() for o in allowed_origins.split(",") if o.strip())
+    for o in origins:
+        if o != "*" and not o.startswith(("http://", "https://")):
+            raise InputError(f"--allowed-origins {o!r}: expected an origin like https://app.example (or *)")
 
     try:  # the port is taken now, so that a busy one is named before the model loads
         sock = bind(host, port)
@@ -70,6 +82,20 @@ def serve(model_spec, model_id, host, port, tools, kb, api_key, max_batch, max_q
             served = ", ".join(t.name for t in reg) or "none"
             click.echo(f"[hybridlm serve: {name} ({model.precision}) at http://{host}:{bound_port}/v1; "
                        f"server-side tools: {served}]", err=True)
+            if reg.tools and api_key is None and not _loopback(host):
+                click.echo(f"warning: server-side tools ({served}) run for anyone who reaches {host}:{bound_port}: "
+                           "no --api-key is set", err=True)
 
         run_server(service, sock=sock, api_key=api_key, max_body_bytes=int(max_body_mb * 2**20),
-                   log_level=log_level, on_ready=ready)
+                   log_level=log_level, allowed_hosts=hosts, allowed_origins=origins, on_ready=ready)
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

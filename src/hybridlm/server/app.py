@@ -5,8 +5,10 @@
     GET  /health                GET  /metrics  (Prometheus text)
 
 Errors have OpenAI's shape and status: 400 for a bad parameter (its name in `param`), 401 for
-a missing or wrong API key, 404 for an unknown model or arc, 413 for a body over the limit,
-503 when the batch and its queue are full (with Retry-After). /health and /metrics need no key.
+a missing or wrong API key, 404 for an unknown model or arc, 413 for a body over the limit, 415 for
+a body that is not application/json, 421 for a foreign Host, 403 for a foreign Origin
+(hybridlm.server.guard), 503 when the batch and its queue are full (with Retry-After). /health
+needs no key; /metrics needs the key when there is one.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import hmac
 import logging
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridlm.server import handlers as H
+from hybridlm.server.guard import Guard, Policy
 from hybridlm.server.metrics import Metrics
 from hybridlm.server.service import Service
 from hybridlm.server.wire import APIError, parse_chat, parse_completion
@@ -30,9 +34,16 @@ log = logging.getLogger("hybridlm.server")
 DEFAULT_MAX_BODY = 8 * 2**20
 
 
-def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAPI:
+def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY,
+               policy: Policy | None = None) -> FastAPI:
     app = FastAPI(title="hybridlm", summary="An OpenAI-compatible server of hybrid automata", docs_url=None,
                   redoc_url=None)
+    policy = policy if policy is not None else Policy("127.0.0.1")
+    if policy.cors_origins:  # (added first: the guard, added last, runs before it)
+        app.add_middleware(CORSMiddleware, allow_origins=policy.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], expose_headers=["X-Hybridlm-Arcs"],
+                           max_age=600)
+    app.add_middleware(Guard, policy=policy)
     metrics = Metrics(service)
     app.state.service, app.state.metrics = service, metrics
 
@@ -95,7 +106,8 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
         return {"status": "ok", "model": service.model_id}
 
     @app.get("/metrics")
-    async def prometheus():
+    async def prometheus(request: Request):
+        authorize(request)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def model_card() -> dict:

@@ -25,6 +25,7 @@ from hybridlm.engine.sampling import Kernel
 from hybridlm.engine.sequence import ArcState, Limits
 from hybridlm.errors import HybridLMError, InputError
 from hybridlm.server import chat as C
+from hybridlm.server.guard import check_prompt_size
 from hybridlm.server.service import Service
 from hybridlm.server.wire import APIError, ChatBody, CompletionBody, invalid, prompt_list, stop_list
 from hybridlm.turns import (
@@ -34,7 +35,13 @@ from hybridlm.turns import (
 FINISH: dict[Termination | None, str] = {
     Termination.STOP_TOKEN: "stop", Termination.STOP_SEQUENCE: "stop", Termination.CONSTRAINT: "stop",
     Termination.TOKEN_BUDGET: "length", Termination.JUMP_HORIZON: "length", Termination.JUMP_SET: "tool_calls",
+    Termination.CANCELLED: "cancelled", Termination.ERROR: "error",
 }
+
+
+def finish_reason(s: ArcState) -> str:
+    """OpenAI's finish reason of an ended choice; a choice cut short by the server says so ("cancelled")."""
+    return FINISH.get(s.arc.termination, "cancelled")
 
 
 @dataclass
@@ -156,8 +163,9 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
         except InputError as exc:
             raise invalid(f"tools: {exc}", param="tools") from None
 
-    protocol = Protocol(tok, offered, example=False, codec=codec)
     messages = body.messages
+    check_prompt_size(tok, model.config.n_ctx, (C.text_of(m.content) for m in messages))
+    protocol = Protocol(tok, offered, example=False, codec=codec)
     pending = C.pending_tool_results(messages)
     entry, resume = None, []
     if pending is not None and client:
@@ -370,7 +378,7 @@ def chat_response(prep: Prepared, service: Service) -> dict:
             logprobs = {"content": [_token_logprob(tok, lib, e) for e in s.arc.of("token") if not e.get("stop")],
                         "refusal": None}
         choices.append({"index": i, "message": message, "logprobs": logprobs,
-                        "finish_reason": FINISH.get(s.arc.termination, "stop")})
+                        "finish_reason": finish_reason(s)})
     return {"id": prep.id, "object": "chat.completion", "created": prep.created, "model": prep.model,
             "choices": choices, "usage": _usage(prep), "system_fingerprint": _fingerprint(service),
             "hybridlm": _extension(prep)}
@@ -388,7 +396,7 @@ def completion_response(prep: Prepared, service: Service) -> dict:
         prefix = prep.prompt_texts[i] if prep.echo else ""
         logprobs = _completion_logprobs(tok, tokens, len(prefix)) if prep.logprobs is not None else None
         choices.append({"index": i, "text": prefix + text, "logprobs": logprobs,
-                        "finish_reason": FINISH.get(s.arc.termination, "stop")})
+                        "finish_reason": finish_reason(s)})
     return {"id": prep.id, "object": "text_completion", "created": prep.created, "model": prep.model,
             "choices": choices, "usage": _usage(prep), "system_fingerprint": _fingerprint(service),
             "hybridlm": _extension(prep)}
@@ -458,7 +466,10 @@ async def stream(prep: Prepared, queue: asyncio.Queue, service: Service, ttft):
                 if st.s.arc.termination is Termination.ERROR:
                     yield sse(_error_of(st.s).body())
                     continue
-                if st.s.arc.termination is Termination.CANCELLED:
+                if st.s.arc.termination is Termination.CANCELLED:  # by the server (a client gone hears nothing)
+                    yield sse({"error": {"message": f"the choice {i} was cancelled by the server (shutting down) "
+                                                    "before it finished", "type": "server_error", "param": None,
+                                         "code": "cancelled"}})
                     continue
             else:
                 had = st.first_token
@@ -518,7 +529,7 @@ class ChatChunks:
         if st.pending_logprobs and (final or view.calls):
             yield self.chunk(i, {}, logprobs=st.take_logprobs(self.lib))
         if final:
-            yield self.chunk(i, {}, finish=FINISH.get(st.s.arc.termination, "stop"))
+            yield self.chunk(i, {}, finish=finish_reason(st.s))
 
 
 class CompletionChunks:
@@ -549,7 +560,7 @@ class CompletionChunks:
             self.offsets[i] += sum(len(t) for t in logprobs["tokens"])
             st.pending_logprobs = []
         if delta or logprobs or final:
-            yield self.chunk(i, delta, logprobs, FINISH.get(st.s.arc.termination, "stop") if final else None)
+            yield self.chunk(i, delta, logprobs, finish_reason(st.s) if final else None)
 
 
 def first_token_delay(prep: Prepared, s: ArcState) -> float | None:

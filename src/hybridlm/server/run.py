@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import resource
 import signal
 import socket
 import threading
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from hybridlm.server.app import create_app
+from hybridlm.server.guard import Policy, guarded_protocol
 from hybridlm.server.service import Service
 
 
@@ -26,22 +28,35 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _server(service: Service, *, api_key, max_body_bytes, log_level: str) -> uvicorn.Server:
-    app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes)
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3, access_log=log_level == "debug")
+HEADER_TIMEOUT_S = 10.0  # a request's headers arrive within this (slow clients hold no connection longer)
+
+
+def max_connections() -> int:
+    """Open connections served at once: half the descriptors this process may hold (at most 1024), so that
+    the rest (model files, tool servers, traces) never runs out and no accept loop spins at the limit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(16, min(1024, (soft if soft > 0 else 1024) // 2))
+
+
+def _server(service: Service, *, api_key, max_body_bytes, log_level: str, policy: Policy) -> uvicorn.Server:
+    app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes, policy=policy)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3, access_log=log_level == "debug",
+                            http=guarded_protocol(HEADER_TIMEOUT_S, max_connections()), timeout_keep_alive=5,
+                            h11_max_incomplete_event_size=64 * 1024)
     return uvicorn.Server(config)
 
 
 def serve(service: Service, *, host: str = "127.0.0.1", port: int = 8000, sock: socket.socket | None = None,
           api_key: str | None = None, max_body_bytes: int = 8 * 2**20, log_level: str = "info",
-          on_ready=None) -> None:
+          allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = (), on_ready=None) -> None:
     """Serve until SIGINT or SIGTERM (on `sock`, or a socket bound to host:port).
 
     The engine steps in this (the main) thread, the HTTP server runs in another (see
     `Service.loop` for why); either one ending stops the other.
     """
     sock = sock if sock is not None else bind(host, port)
-    server = _server(service, api_key=api_key, max_body_bytes=max_body_bytes, log_level=log_level)
+    policy = Policy(sock.getsockname()[0], allowed_hosts, allowed_origins)
+    server = _server(service, api_key=api_key, max_body_bytes=max_body_bytes, log_level=log_level, policy=policy)
 
     def http() -> None:
         try:
@@ -76,10 +91,12 @@ def serve(service: Service, *, host: str = "127.0.0.1", port: int = 8000, sock: 
 
 @contextlib.contextmanager
 def running(service: Service, *, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-            max_body_bytes: int = 8 * 2**20, log_level: str = "warning") -> Iterator[str]:
+            max_body_bytes: int = 8 * 2**20, log_level: str = "warning", allowed_hosts: tuple[str, ...] = (),
+            allowed_origins: tuple[str, ...] = ()) -> Iterator[str]:
     """The server in a background thread for the `with` block; yields its base URL (…/v1)."""
     sock = bind(host, port)
-    server = _server(service, api_key=api_key, max_body_bytes=max_body_bytes, log_level=log_level)
+    server = _server(service, api_key=api_key, max_body_bytes=max_body_bytes, log_level=log_level,
+                     policy=Policy(host, allowed_hosts, allowed_origins))
     service.start()
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="hybridlm-http", daemon=True)
     thread.start()

@@ -202,7 +202,7 @@ class Service:
                 self.counters.rate.append((time.perf_counter(), engine.stats.tokens))
         finally:
             self._looping = False
-            for s in [*engine.waiting, *engine.active, *engine.external]:
+            for s in [*engine.waiting, *(f for f, _ in engine.filling), *engine.active, *engine.external]:
                 engine.cancel(s)
             if engine.busy:
                 engine.step()
@@ -214,9 +214,10 @@ class Service:
 
     def _fail_all(self, exc: BaseException) -> None:
         engine = self.engine
-        for s in [*engine.active, *engine.external]:
+        for s in [*(f for f, _ in engine.filling), *engine.active, *engine.external]:
             if not s.done:
                 engine._fail(s, exc)
+        engine.filling.clear()
         engine.active.clear()
         engine.external.clear()
 

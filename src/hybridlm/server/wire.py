@@ -21,7 +21,12 @@ from pydantic import BaseModel, ConfigDict, Field, Strict
 
 MAX_N = 16  # choices per request
 MAX_STOP = 4  # stop strings (OpenAI's limit)
+MAX_STOP_CHARS = 512  # characters of one stop string (each is searched for at every streamed token)
 MAX_TOP_LOGPROBS = 20
+MAX_MESSAGES = 2048  # messages of one conversation (OpenAI's limit)
+MAX_TOOLS = 128  # tools offered by one request (OpenAI's limit)
+MAX_CALLS = 128  # tool calls of one assistant message
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 
 # Numbers and flags as JSON writes them: `true` is not 1 and "0.7" is not 0.7 (OpenAI refuses both).
 Int = Annotated[int, Strict()]
@@ -223,6 +228,7 @@ def _union_branch(part) -> bool:
 
 def parse_chat(raw) -> ChatBody:
     body = parse_body(raw, ChatBody)
+    _check_counts(body)
     _check_sampling(body)
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
@@ -287,6 +293,9 @@ def stop_list(stop) -> tuple[str, ...]:
         raise invalid(f"at most {MAX_STOP} stop sequences, got {len(stops)}", param="stop")
     if any(not s for s in stops):
         raise invalid("a stop sequence must not be empty", param="stop")
+    long = next((s for s in stops if len(s) > MAX_STOP_CHARS), None)
+    if long is not None:
+        raise invalid(f"a stop sequence of {len(long):,} characters: at most {MAX_STOP_CHARS}", param="stop")
     return stops
 
 
@@ -294,7 +303,21 @@ MAX_BIAS = 100  # OpenAI's bound on a logit bias
 MAX_ID_DIGITS = 9  # a token id has fewer digits than this (vocabularies are far below 10⁹)
 
 
+def _check_counts(body: ChatBody) -> None:
+    """The cheap bounds, before any check that walks the conversation."""
+    if len(body.messages) > MAX_MESSAGES:
+        raise invalid(f"{len(body.messages):,} messages: at most {MAX_MESSAGES}", param="messages")
+    if body.tools is not None and len(body.tools) > MAX_TOOLS:
+        raise invalid(f"{len(body.tools):,} tools: at most {MAX_TOOLS}", param="tools")
+    for i, m in enumerate(body.messages):
+        if m.tool_calls is not None and len(m.tool_calls) > MAX_CALLS:
+            raise invalid(f"messages[{i}] has {len(m.tool_calls):,} tool calls: at most {MAX_CALLS}",
+                          param=f"messages[{i}].tool_calls")
+
+
 def _check_sampling(body: _Sampling) -> None:
+    if body.logit_bias is not None and len(body.logit_bias) > MAX_LOGIT_BIAS:
+        raise invalid(f"logit_bias has {len(body.logit_bias):,} entries: at most {MAX_LOGIT_BIAS}", param="logit_bias")
     for key, bias in (body.logit_bias or {}).items():
         if not (key.isascii() and key.isdigit()) or len(key) > MAX_ID_DIGITS:
             raise invalid(f"logit_bias key {key[:24]!r}: expected a token id (at most {MAX_ID_DIGITS} digits)",
@@ -328,7 +351,7 @@ def _check_tool_turns(messages: list[Message]) -> None:
     """OpenAI's rule for a conversation with calls: every tool message answers a call of the
     assistant message before its run of tool messages, and every such call is answered before the
     conversation goes on (or ends)."""
-    open_calls: list[str] = []  # calls of the last assistant message not yet answered
+    open_calls: dict[str, None] = {}  # calls of the last assistant message not yet answered (a set in call order)
     opened_at = -1
     for i, m in enumerate(messages):
         if m.role == "tool":
@@ -337,16 +360,16 @@ def _check_tool_turns(messages: list[Message]) -> None:
                     f"messages[{opened_at}] has no unanswered call with that id"
                 raise invalid(f"messages[{i}]: a tool message must answer a call of the assistant message before "
                               f"it; tool_call_id {str(m.tool_call_id)[:40]!r}: {what}", param=f"messages[{i}].tool_call_id")
-            open_calls.remove(m.tool_call_id)
+            del open_calls[m.tool_call_id]
             continue
         if open_calls:
-            raise _unanswered(opened_at, open_calls)
+            raise _unanswered(opened_at, list(open_calls))
         if m.role == "assistant" and m.tool_calls:
-            open_calls, opened_at = [c.id for c in m.tool_calls], i
+            open_calls, opened_at = dict.fromkeys(c.id for c in m.tool_calls), i
         else:
             opened_at = -1
     if open_calls:
-        raise _unanswered(opened_at, open_calls)
+        raise _unanswered(opened_at, list(open_calls))
 
 
 def _unanswered(at: int, ids: list[str]) -> APIError:
