@@ -30,11 +30,34 @@ log = logging.getLogger("hybridlm.server")
 DEFAULT_MAX_BODY = 8 * 2**20
 
 
-def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAPI:
+def create_app(service: Service | None, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAPI:
+    """The app of `service`; None while the model loads (every route but /health answers 503
+    "loading" until `ready(app, service)`)."""
     app = FastAPI(title="hybridlm", summary="An OpenAI-compatible server of hybrid automata", docs_url=None,
                   redoc_url=None)
-    metrics = Metrics(service)
-    app.state.service, app.state.metrics = service, metrics
+    app.state.service = app.state.metrics = None
+    if service is not None:
+        ready(app, service)
+
+    def svc() -> Service:
+        s = app.state.service
+        if s is None:
+            raise APIError(503, "the model is loading; retry when /health says ok", type="server_error",
+                           code="loading", headers={"Retry-After": "1"})
+        return s
+
+    class _Metrics:
+        """The service's metrics once it is ready (a request while loading counts nowhere)."""
+
+        def request(self, endpoint: str, status: int) -> None:
+            if app.state.metrics is not None:
+                app.state.metrics.request(endpoint, status)
+
+        def ttft(self, seconds: float) -> None:
+            if app.state.metrics is not None:
+                app.state.metrics.ttft(seconds)
+
+    metrics = _Metrics()
 
     # ------------------------------------------------------------------ errors in OpenAI's shape
     def endpoint(request: Request) -> str:
@@ -90,34 +113,40 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
     # ------------------------------------------------------------------ health, metrics, models
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
+        service = app.state.service
+        if service is None:
+            return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
         if not service.alive:
             return JSONResponse({"status": "error", "reason": "the engine thread is not running"}, status_code=503)
         return {"status": "ok", "model": service.model_id}
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        svc()
+        return Response(app.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def model_card() -> dict:
-        return {"id": service.model_id, "object": "model", "created": service.created, "owned_by": "hybridlm",
+    def model_card(name: str) -> dict:
+        service = svc()
+        return {"id": name, "object": "model", "created": service.created, "owned_by": "hybridlm",
                 "context_length": service.model.config.n_ctx, "dtype": H.dtype_name(service.model)}
 
     @app.get("/v1/models")
     async def models(request: Request):
         authorize(request)
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in svc().names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def one_model(model_id: str, request: Request):
         authorize(request)
-        H.check_model(service, model_id)
-        return model_card()
+        H.check_model(svc(), model_id)
+        return model_card(model_id)
 
     # ------------------------------------------------------------------ arcs
     def arc_of(arc_id: str):
-        s = service.arcs.get(arc_id)
+        arcs = svc().arcs
+        s = arcs.get(arc_id)
         if s is None:
-            raise APIError(404, f"no arc {arc_id!r} (arcs of the last {service.arcs.max_arcs} sequences are kept)",
+            raise APIError(404, f"no arc {arc_id!r} (arcs of the last {arcs.max_arcs} sequences are kept)",
                            param="arc_id", code="arc_not_found")
         return s
 
@@ -140,6 +169,7 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
 
     # ------------------------------------------------------------------ completions
     async def run(request: Request, prep: H.Prepared, respond):
+        service = svc()
         queue = H.attach(prep, asyncio.get_running_loop())
         service.submit(prep.sequences)
         with service.counters.lock:
@@ -164,14 +194,20 @@ def create_app(service: Service, *, api_key: str | None = None, max_body_bytes: 
     async def chat_completions(request: Request):
         authorize(request)
         body = parse_chat(await body_of(request))
-        prep = await run_in_threadpool(H.prepare_chat, service, body)
+        prep = await run_in_threadpool(H.prepare_chat, svc(), body)
         return await run(request, prep, H.chat_response)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         authorize(request)
         body = parse_completion(await body_of(request))
-        prep = await run_in_threadpool(H.prepare_completion, service, body)
+        prep = await run_in_threadpool(H.prepare_completion, svc(), body)
         return await run(request, prep, H.completion_response)
 
     return app
+
+
+def ready(app: FastAPI, service: Service) -> None:
+    """The model has loaded: the app serves `service` from now on."""
+    app.state.metrics = Metrics(service)
+    app.state.service = service

@@ -7,11 +7,11 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 
-from hybridlm.server.app import create_app
+from hybridlm.server.app import create_app, ready
 from hybridlm.server.service import Service
 
 
@@ -26,28 +26,35 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _server(service: Service, *, api_key, max_body_bytes, log_level: str) -> uvicorn.Server:
+def _server(service: Service | None, *, api_key, max_body_bytes, log_level: str) -> uvicorn.Server:
     app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3, access_log=log_level == "debug")
     return uvicorn.Server(config)
 
 
-def serve(service: Service, *, host: str = "127.0.0.1", port: int = 8000, sock: socket.socket | None = None,
+def serve(service: Service | Callable[[], Service], *, host: str = "127.0.0.1", port: int = 8000,
+          sock: socket.socket | None = None,
           api_key: str | None = None, max_body_bytes: int = 8 * 2**20, log_level: str = "info",
           on_ready=None) -> None:
     """Serve until SIGINT or SIGTERM (on `sock`, or a socket bound to host:port).
 
     The engine steps in this (the main) thread, the HTTP server runs in another (see
-    `Service.loop` for why); either one ending stops the other.
+    `Service.loop` for why); either one ending stops the other. `service` may be a function
+    that loads the model and returns the service: the HTTP server answers from the start
+    (/health: 503 "loading"), and serves once it returns.
     """
     sock = sock if sock is not None else bind(host, port)
-    server = _server(service, api_key=api_key, max_body_bytes=max_body_bytes, log_level=log_level)
+    load = None if isinstance(service, Service) else service
+    server = _server(service if load is None else None, api_key=api_key, max_body_bytes=max_body_bytes,
+                     log_level=log_level)
 
     def http() -> None:
         try:
             server.run(sockets=[sock])
         finally:
-            service.stop()
+            app_service = server.config.app.state.service
+            if app_service is not None:
+                app_service.stop()
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -58,18 +65,24 @@ def serve(service: Service, *, host: str = "127.0.0.1", port: int = 8000, sock: 
     deadline = time.monotonic() + 30
     while not server.started and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
+    loaded: Service | None = service if load is None else None
     try:
+        if load is not None and server.started:
+            loaded = load()
+            ready(server.config.app, loaded)
         if server.started and on_ready is not None:
             on_ready(sock.getsockname()[1])
-        if server.started:
-            service.loop()
+        if server.started and loaded is not None:
+            loaded.loop()
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: a clean stop
         pass
     finally:
         server.should_exit = True
-        service.stop()
+        if loaded is not None:
+            loaded.stop()
         thread.join(timeout=10)
-        service.close()
+        if loaded is not None:
+            loaded.close()
         sock.close()
         signal.signal(signal.SIGTERM, previous)
 
