@@ -23,7 +23,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hybridlm.server import handlers as H
 from hybridlm.server.metrics import Metrics
 from hybridlm.server.service import Service
-from hybridlm.server.wire import APIError, parse_chat, parse_completion
+from hybridlm.server.wire import (
+    APIError, DetokenizeBody, EmbeddingsBody, TokenizeBody, parse_body, parse_chat, parse_completion,
+)
 
 log = logging.getLogger("hybridlm.server")
 
@@ -203,6 +205,29 @@ def create_app(service: Service | None, *, api_key: str | None = None, max_body_
         body = parse_completion(await body_of(request))
         prep = await run_in_threadpool(H.prepare_completion, svc(), body)
         return await run(request, prep, H.completion_response)
+
+    # ------------------------------------------------------------------ embeddings, tokens
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        authorize(request)
+        body = parse_body(await body_of(request), EmbeddingsBody)
+        out = await run_in_threadpool(H.embeddings, svc(), body)
+        metrics.request(endpoint(request), 200)
+        return out
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        authorize(request)
+        out = H.tokenize(svc(), parse_body(await body_of(request), TokenizeBody))
+        metrics.request(endpoint(request), 200)
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        authorize(request)
+        out = H.detokenize(svc(), parse_body(await body_of(request), DetokenizeBody))
+        metrics.request(endpoint(request), 200)
+        return out
 
     return app
 

@@ -10,6 +10,7 @@ Its response names the arcs (`hybridlm.arcs`, and the `X-Hybridlm-Arcs` header),
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import secrets
 import time
@@ -318,6 +319,82 @@ def prepare_completion(service: Service, body: CompletionBody) -> Prepared:
                     include_usage=bool(body.stream_options and body.stream_options.include_usage),
                     logprobs=body.logprobs, stops=stops, prompt_tokens=lengths, prompt_texts=texts, echo=body.echo,
                     n=body.n)
+
+
+# ---------------------------------------------------------------------- embeddings, tokens
+def embeddings(service: Service, body) -> dict:
+    """OpenAI's embeddings: for each input, its hidden states at layer ℓ pooled over positions
+    (the mean, or the last position's), unit length unless `normalize` is false.
+
+    ℓ is counted as the model's forward does: 0 is H⁽⁰⁾ (the embedding), ℓ < L the residual
+    stream after ℓ blocks, and ℓ = L (the default) LN_f(H⁽ᴸ⁾), the state the readout reads
+    (what llama.cpp's embeddings of a generative model are)."""
+    check_model(service, body.model)
+    model, tok = service.model, service.tokenizer
+    L, V = model.config.n_layer, model.config.vocab_size
+    layer = L if body.layer is None else body.layer
+    if not 0 <= layer <= L:
+        raise invalid(f"layer {layer}: expected 0 ≤ layer ≤ {L} (the model's blocks)", param="layer")
+    d = model.config.d_model
+    if body.dimensions is not None and body.dimensions != d:
+        raise invalid(f"dimensions {body.dimensions}: this model's embeddings have {d} (no shortening)",
+                      param="dimensions")
+    inputs = prompt_list(body.input)
+    if not inputs:
+        raise invalid("input is empty", param="input")
+    data, used = [], 0
+    for i, item in enumerate(inputs):
+        ids = tok.encode(item) if isinstance(item, str) else list(item)
+        if not ids:
+            raise invalid(f"input[{i}] encodes to no tokens", param="input")
+        if any(not 0 <= t < V for t in ids):
+            raise invalid(f"input[{i}] holds a token id outside the vocabulary [0, {V})", param="input")
+        if len(ids) > model.config.n_ctx:
+            raise invalid(f"input[{i}] is {len(ids)} tokens; the context holds {model.config.n_ctx}", param="input",
+                          code="context_length_exceeded")
+        used += len(ids)
+        with torch.no_grad():
+            h = model(torch.tensor([ids]), layers=layer, logits=False)[0]
+            if layer == L:
+                h = model.ln_final(h)
+        v = (h.mean(0) if body.pooling == "mean" else h[-1]).float()
+        if body.normalize:
+            v = v / v.norm().clamp_min(1e-12)
+        vec: Any = v.tolist()
+        if body.encoding_format == "base64":
+            vec = base64.b64encode(v.numpy().astype("<f4").tobytes()).decode()
+        data.append({"object": "embedding", "index": i, "embedding": vec})
+    return {"object": "list", "data": data, "model": body.model, "usage": {"prompt_tokens": used, "total_tokens": used},
+            "hybridlm": {"layer": layer, "pooling": body.pooling, "normalized": body.normalize}}
+
+
+def tokenize(service: Service, body) -> dict:
+    """llama.cpp's /tokenize: {"tokens": [ids]}, or [{"id", "piece"}] with with_pieces (a piece that is
+    not whole UTF-8 is its list of bytes, as llama.cpp gives it)."""
+    tok = service.tokenizer
+    ids = tok.encode_markup(body.content) if body.parse_special else tok.encode(body.content)
+    if body.add_special:
+        ids = tok.with_special(ids)
+    if not body.with_pieces:
+        return {"tokens": ids}
+    lib = library.library_tokenizer(tok)
+    pieces = []
+    for i in ids:
+        raw = bytes(lib.decode_bytes([i]))
+        try:
+            piece: Any = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        pieces.append({"id": i, "piece": piece})
+    return {"tokens": pieces}
+
+
+def detokenize(service: Service, body) -> dict:
+    V = service.model.config.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < V]
+    if bad:
+        raise invalid(f"token id {bad[0]} is outside the vocabulary [0, {V})", param="tokens")
+    return {"content": service.tokenizer.decode(body.tokens)}
 
 
 # ---------------------------------------------------------------------- arcs → what the client sees

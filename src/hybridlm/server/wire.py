@@ -442,3 +442,31 @@ def text_of(content) -> str:
     if isinstance(content, str):
         return content
     return "".join(part["text"] for part in content)
+
+
+# ---------------------------------------------------------------------- embeddings, tokenize
+class EmbeddingsBody(_Body):
+    """OpenAI's embeddings request; `layer` and `pooling` choose the hidden state (hybridlm's)."""
+
+    model: str
+    input: str | list[str] | list[Int] | list[list[Int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = Field(default=None, ge=1)
+    layer: Int | None = None
+    pooling: Literal["mean", "last"] = "mean"
+    normalize: Flag = True
+
+
+class TokenizeBody(_Body):
+    """llama.cpp's /tokenize."""
+
+    content: str
+    add_special: Flag = False
+    parse_special: Flag = True
+    with_pieces: Flag = False
+
+
+class DetokenizeBody(_Body):
+    """llama.cpp's /detokenize."""
+
+    tokens: list[Int]
