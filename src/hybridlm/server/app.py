@@ -20,11 +20,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hybridlm.server import handlers as H
+from hybridlm.server import dialects as D, handlers as H
 from hybridlm.server.metrics import Metrics
 from hybridlm.server.service import Service
 from hybridlm.server.wire import (
-    APIError, DetokenizeBody, EmbeddingsBody, TokenizeBody, parse_body, parse_chat, parse_completion,
+    APIError, DetokenizeBody, EmbeddingsBody, TokenizeBody, json_object, parse_body, parse_chat, parse_completion,
 )
 
 log = logging.getLogger("hybridlm.server")
@@ -170,27 +170,55 @@ def create_app(service: Service | None, *, api_key: str | None = None, max_body_
         return HTMLResponse(html)
 
     # ------------------------------------------------------------------ completions
-    async def run(request: Request, prep: H.Prepared, respond):
+    def start(prep: H.Prepared) -> asyncio.Queue:
         service = svc()
         queue = H.attach(prep, asyncio.get_running_loop())
         service.submit(prep.sequences)
         with service.counters.lock:
             service.counters.prompt_tokens += sum(prep.prompt_tokens)
-        headers = {"X-Hybridlm-Arcs": ",".join(s.name for s in prep.sequences)}
-        if prep.stream:
-            metrics.request(endpoint(request), 200)
-            return StreamingResponse(H.stream(prep, queue, service, metrics.ttft), media_type="text/event-stream",
-                                     headers={**headers, "Cache-Control": "no-cache"})
+        return queue
+
+    async def finished(request: Request, prep: H.Prepared, queue: asyncio.Queue, respond) -> dict | None:
+        """The response body once every sequence has ended; None when the client went away."""
+        service = svc()
         if not await H.wait_all(prep, queue, service, request.is_disconnected):
             metrics.request(endpoint(request), 499)
-            return Response(status_code=499)
+            return None
         for s in prep.sequences:
             delay = H.first_token_delay(prep, s)
             if delay is not None:
                 metrics.ttft(delay)
-        body = respond(prep, service)
+        return respond(prep, service)
+
+    async def run(request: Request, prep: H.Prepared, respond):
+        queue = start(prep)
+        headers = {"X-Hybridlm-Arcs": ",".join(s.name for s in prep.sequences)}
+        if prep.stream:
+            metrics.request(endpoint(request), 200)
+            return StreamingResponse(H.stream(prep, queue, svc(), metrics.ttft), media_type="text/event-stream",
+                                     headers={**headers, "Cache-Control": "no-cache"})
+        body = await finished(request, prep, queue, respond)
+        if body is None:
+            return Response(status_code=499)
         metrics.request(endpoint(request), 200)
         return JSONResponse(body, headers=headers)
+
+    async def dialect(request: Request, chat: dict, respond, events):
+        """A request of another dialect run as the chat request `chat`: `respond(chat.completion)` is
+        its body, `events(the chat stream)` its stream."""
+        body = parse_chat(chat)
+        prep = await run_in_threadpool(H.prepare_chat, svc(), body)
+        queue = start(prep)
+        headers = {"X-Hybridlm-Arcs": ",".join(s.name for s in prep.sequences)}
+        if prep.stream:
+            metrics.request(endpoint(request), 200)
+            return StreamingResponse(events(H.stream(prep, queue, svc(), metrics.ttft)), media_type="text/event-stream",
+                                     headers={**headers, "Cache-Control": "no-cache"})
+        out = await finished(request, prep, queue, H.chat_response)
+        if out is None:
+            return Response(status_code=499)
+        metrics.request(endpoint(request), 200)
+        return JSONResponse(respond(out), headers=headers)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -205,6 +233,29 @@ def create_app(service: Service | None, *, api_key: str | None = None, max_body_
         body = parse_completion(await body_of(request))
         prep = await run_in_threadpool(H.prepare_completion, svc(), body)
         return await run(request, prep, H.completion_response)
+
+    # ------------------------------------------------------------------ other dialects of the chat
+    conversations = D.Conversations()
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        authorize(request)
+        data = json_object(await body_of(request))
+        chat, messages = D.responses_to_chat(data, conversations)
+        return await dialect(request, chat, lambda out: D.chat_to_response(out, data, messages, conversations),
+                             lambda stream: D.response_events(stream, data, messages, conversations))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        authorize(request)
+        try:
+            data = json_object(await body_of(request))
+            chat = D.messages_to_chat(data)
+            return await dialect(request, chat, lambda out: D.chat_to_message(out, data),
+                                 lambda stream: D.message_events(stream, data))
+        except APIError as exc:  # in Anthropic's shape
+            metrics.request(endpoint(request), exc.status)
+            return JSONResponse(D.anthropic_error(exc.status, exc.message), status_code=exc.status, headers=exc.headers)
 
     # ------------------------------------------------------------------ embeddings, tokens
     @app.post("/v1/embeddings")

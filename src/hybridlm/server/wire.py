@@ -197,8 +197,9 @@ def known_fields(cls: type[BaseModel]) -> frozenset[str]:
     return frozenset(f.alias or name for name, f in cls.model_fields.items())
 
 
-def parse_body(raw: bytes | str | dict, cls: type[Body]) -> Body:
-    """The body as `cls`, or an APIError (400) naming the first bad parameter."""
+def json_object(raw: bytes | str | dict) -> dict:
+    """The body as a JSON object without its null fields (a null is the parameter's default), or an
+    APIError (400): not JSON, not an object, or a string that is not text."""
     if isinstance(raw, (bytes, bytearray, str)):
         try:
             data = json.loads(raw)
@@ -212,15 +213,21 @@ def parse_body(raw: bytes | str | dict, cls: type[Body]) -> Body:
         raise invalid(f"the request body must be a JSON object, got a JSON {type(data).__name__}")
     # an explicit null is the parameter's default, as OpenAI, vLLM and llama.cpp read it ("n": null)
     data = {k: v for k, v in data.items() if v is not None}
+    where = _lone_surrogate(data)
+    if where is not None:
+        raise invalid(f"'{where}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair): "
+                      "not text", param=where or None)
+    return data
+
+
+def parse_body(raw: bytes | str | dict, cls: type[Body]) -> Body:
+    """The body as `cls`, or an APIError (400) naming the first bad parameter."""
+    data = json_object(raw)
     unknown = [k for k in data if k not in known_fields(cls) and k not in OPENAI_NO_EFFECT]
     if unknown:
         name = str(unknown[0])[:60]
         raise invalid(f"'{name}' is not a parameter this server acts on; it is refused rather than ignored "
                       "(docs/server.md lists the parameters)", param=name, code="unsupported_parameter")
-    where = _lone_surrogate(data)
-    if where is not None:
-        raise invalid(f"'{where}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair): "
-                      "not text", param=where or None)
     try:
         return cls.model_validate(data)
     except pydantic.ValidationError as exc:
