@@ -114,12 +114,15 @@ def output_grammar(tok, body) -> tuple[str, dict | bool | None, str | None]:
             library.json_grammar(schema)  # checked now: a bad schema is the request's error
             return param, schema, None
         if kind == "regex":
-            return param, None, library.regex_grammar(value)
-        if kind == "choice":
+            grammar = library.regex_grammar(value)
+        elif kind == "choice":
             if not all(isinstance(c, str) and c for c in value):
                 raise invalid(f"{param}: expected non-empty strings", param=param)
-            return param, None, library.lark_grammar("start: " + " | ".join(json.dumps(c) for c in value))
-        return param, None, library.lark_grammar(_lark(value, param))
+            grammar = library.lark_grammar("start: " + " | ".join(json.dumps(c) for c in value))
+        else:
+            grammar = library.lark_grammar(_lark(value, param))
+        library.matcher(library.library_tokenizer(tok), grammar, "the grammar")  # compiled now: its error is the field's
+        return param, None, grammar
     except ValueError as exc:
         raise invalid(f"{param}: not JSON ({exc})", param=param) from None
     except InputError as exc:
