@@ -392,7 +392,7 @@ def messages_to_chat(data: Any) -> dict:
     choice = data.get("tool_choice")
     if isinstance(choice, dict):
         kind = choice.get("type")
-        mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+        mapped = {"auto": "auto", "any": "required", "none": "none"}.get(str(kind))
         chat["tool_choice"] = mapped if mapped else {"type": "function", "function": {"name": choice.get("name")}}
         if choice.get("disable_parallel_tool_use"):
             chat["parallel_tool_calls"] = False

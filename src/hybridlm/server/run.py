@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import uvicorn
+from fastapi import FastAPI
 
 from hybridlm.server.app import create_app, ready
 from hybridlm.server.service import Service
@@ -26,10 +27,10 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _server(service: Service | None, *, api_key, max_body_bytes, log_level: str) -> uvicorn.Server:
+def _server(service: Service | None, *, api_key, max_body_bytes, log_level: str) -> tuple[uvicorn.Server, FastAPI]:
     app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3, access_log=log_level == "debug")
-    return uvicorn.Server(config)
+    return uvicorn.Server(config), app
 
 
 def serve(service: Service | Callable[[], Service], *, host: str = "127.0.0.1", port: int = 8000,
@@ -44,17 +45,15 @@ def serve(service: Service | Callable[[], Service], *, host: str = "127.0.0.1", 
     (/health: 503 "loading"), and serves once it returns.
     """
     sock = sock if sock is not None else bind(host, port)
-    load = None if isinstance(service, Service) else service
-    server = _server(service if load is None else None, api_key=api_key, max_body_bytes=max_body_bytes,
-                     log_level=log_level)
+    given = service if isinstance(service, Service) else None
+    server, app = _server(given, api_key=api_key, max_body_bytes=max_body_bytes, log_level=log_level)
 
     def http() -> None:
         try:
             server.run(sockets=[sock])
         finally:
-            app_service = server.config.app.state.service
-            if app_service is not None:
-                app_service.stop()
+            if app.state.service is not None:
+                app.state.service.stop()
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -65,11 +64,11 @@ def serve(service: Service | Callable[[], Service], *, host: str = "127.0.0.1", 
     deadline = time.monotonic() + 30
     while not server.started and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
-    loaded: Service | None = service if load is None else None
+    loaded = given
     try:
-        if load is not None and server.started:
-            loaded = load()
-            ready(server.config.app, loaded)
+        if loaded is None and server.started and not isinstance(service, Service):
+            loaded = service()
+            ready(app, loaded)
         if server.started and on_ready is not None:
             on_ready(sock.getsockname()[1])
         if server.started and loaded is not None:
@@ -92,7 +91,7 @@ def running(service: Service, *, host: str = "127.0.0.1", port: int = 0, api_key
             max_body_bytes: int = 8 * 2**20, log_level: str = "warning") -> Iterator[str]:
     """The server in a background thread for the `with` block; yields its base URL (…/v1)."""
     sock = bind(host, port)
-    server = _server(service, api_key=api_key, max_body_bytes=max_body_bytes, log_level=log_level)
+    server, _ = _server(service, api_key=api_key, max_body_bytes=max_body_bytes, log_level=log_level)
     service.start()
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="hybridlm-http", daemon=True)
     thread.start()
