@@ -121,7 +121,7 @@ class GuardedH11(H11Protocol):
     header_timeout_s = 10.0
     max_connections = 512
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport) -> None:
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
             transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n"
