@@ -545,11 +545,13 @@ def test_a_disconnect_mid_stream_frees_the_rows(served, client):
     body = json.dumps({"model": MODEL, "messages": ask("Tell me a very long story about a dragon."),
                        "max_tokens": 2000, "stream": True, "temperature": 1.0, "seed": 2}).encode()
     sock = socket.create_connection((host, int(port)))
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     seen = b""
     while seen.count(b"data: ") < 5:
-        seen += sock.recv(65536)
+        got = sock.recv(65536)
+        assert got, seen  # (the server closed the connection: its answer says why)
+        seen += got
     arc = re.search(rb"x-hybridlm-arcs: (\S+)", seen, re.I).group(1).decode()
     sock.close()
     wait_until(lambda: service.arcs.get(arc).done, timeout=10)
