@@ -95,10 +95,41 @@ def check_server_tools(reg: ToolRegistry, server: str) -> None:
 def test_stdio_server_tools_results_and_failures():
     with mcp_tools([STDIO], timeout_s=1.5) as reg:
         check_server_tools(reg, "hybridlm-test")
+        before = int(reg.call("pid", {}).text)
         crashed = reg.call("crash", {})
         assert crashed.error == "server_disconnected" and "exiting on request" in crashed.text  # its stderr
-        after = reg.call("add", {"a": 1, "b": 1})
-        assert after.error == "server_disconnected"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the broken session is reset: the server is started anew
+            after = reg.call("add", {"a": 1, "b": 1})
+            if after.ok:
+                break
+            time.sleep(0.5)
+        assert after.text == "2"
+        assert int(reg.call("pid", {}).text) != before
+
+
+def test_the_server_dies_with_its_client(tmp_path):
+    """A client killed with SIGKILL (no cleanup runs) takes its stdio server with it (PR_SET_PDEATHSIG)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    script = ("import sys, time\nfrom hybridlm.tools.mcp import mcp_tools\n"
+              f"with mcp_tools([{STDIO!r}]) as reg:\n"
+              "    print(reg.call('pid', {}).text, flush=True)\n    time.sleep(600)\n")
+    client = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(client.stdout.readline())
+        os.kill(pid, 0)
+    finally:
+        client.kill()
+        client.wait(10)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"the MCP server {pid} outlived its client")
 
 
 def test_http_server_tools_results_and_a_kill_mid_call(http_server):

@@ -7,6 +7,7 @@ byte past its limit whatever stat() said.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
@@ -93,3 +94,29 @@ def creatable_folder(path: str | os.PathLike) -> str | None:
     except OSError as exc:
         return f"{path} cannot be written ({ancestor}: {exc.strerror or exc})"
     return None
+
+
+def output_flags(path: str | os.PathLike) -> int:
+    """open(2)'s flags for an output file: created or truncated, never through a symbolic link (a link
+    planted where an output goes would have the run overwrite its target), except this process's own
+    streams (/dev/stdout is a link to them)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+    return flags if str(path).startswith(OWN_STREAMS) else flags | getattr(os, "O_NOFOLLOW", 0)
+
+
+def refusal(path: str | os.PathLike, what: str, exc: OSError) -> InputError:
+    """The one line for an output that cannot be opened."""
+    if exc.errno == errno.ELOOP:
+        return InputError(f"{what} {path}: a symbolic link; an output is not written through a link (give the "
+                          "target's path)")
+    return InputError(f"{what} {path}: cannot be written ({exc.strerror or exc})")
+
+
+def write_output(path: str | os.PathLike, text: str, what: str) -> None:
+    """Text into a new or truncated output file, never through a symbolic link (InputError, one line)."""
+    try:
+        fd = os.open(path, output_flags(path), 0o666)
+    except OSError as exc:
+        raise refusal(path, what, exc) from None
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)

@@ -99,7 +99,18 @@ def agent(task, model_spec, tools, kb, tool_choice, parallel, max_jumps, max_new
         runner = HybridAgent(model, reg, kernel=kernel, limits=limits, tool_choice=tool_choice, seed=seed,
                              record_states=states, controllers=controllers, parallel_tool_calls=parallel,
                              context=context_policy)
-        arc = runner.run(task, trace=trace_path)
+        import warnings
+
+        from hybridlm.engine.trace import TraceWriteWarning
+
+        with warnings.catch_warnings(record=True) as caught:  # a trace cut by a write error: one line, the answer stays
+            warnings.simplefilter("always", TraceWriteWarning)
+            arc = runner.run(task, trace=trace_path)
+        for w in caught:
+            if issubclass(w.category, TraceWriteWarning):
+                click.echo(f"[warning: {w.message}]", err=True)
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     if as_json:
         click.echo(json.dumps(arc.to_dict(), ensure_ascii=False))
         return

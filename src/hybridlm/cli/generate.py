@@ -11,8 +11,8 @@ from typing import Any
 import click
 
 from hybridlm.cli.options import (
-    MODEL, MODEL_HELP, SEED, TEXT, build_controllers, chat_template_option, context_option, control_options, control_summary,
-    precision_option, steering_vector, with_chat_template,
+    MODEL, MODEL_HELP, SEED, TEXT, build_controllers, chat_template_option, context_option, control_options,
+    control_summary, kernel_options, precision_option, steering_vector, with_chat_template,
 )
 
 
@@ -99,13 +99,13 @@ def _constraint(source, model, budget: int):
 @click.option("--regex", default=None, type=TEXT, help="Constrain the output to match this regular expression whole.")
 @click.option("--grammar", "grammar_file", type=click.Path(dir_okay=False), default=None,
               help="Constrain the output to a grammar in llguidance's Lark format (this file).")
+@kernel_options
 @precision_option("auto")
 @context_option
 @control_options
 def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top_p, frequency_penalty, presence_penalty,
-             logit_bias, seed, chat, chat_template, as_ids, as_json, schema_file, regex, grammar_file, precision,
-             context_policy, ban,
-             steer, steer_layer, steer_scale):
+             logit_bias, min_p, repeat_penalty, repeat_last_n, seed, chat, chat_template, as_ids, as_json, schema_file,
+             regex, grammar_file, precision, context_policy, ban, steer, steer_layer, steer_scale):
     """Run the token-clock recursion from PROMPT and print the continuation."""
     from hybridlm.errors import InputError
     from hybridlm.engine.clock import sequence, stream
@@ -119,7 +119,8 @@ def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top
         raise InputError("--greedy and --temperature exclude each other: greedy is the limit τ → 0")
     kernel = Kernel(temperature=1.0 if temperature is None else temperature, top_k=top_k, top_p=top_p, greedy=greedy,
                     frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                    logit_bias=_logit_bias(logit_bias))
+                    logit_bias=_logit_bias(logit_bias), min_p=min_p, repeat_penalty=repeat_penalty,
+                    repeat_last_n=repeat_last_n)
     if not as_ids and not prompt.strip():
         raise InputError("empty prompt: give some text (or token ids with --ids)")
     t0 = time.perf_counter()

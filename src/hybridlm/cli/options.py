@@ -234,6 +234,18 @@ def control_summary(controllers, step_records: list[list[dict]]) -> dict:
     }
 
 
+def kernel_options(fn):
+    """--min-p, --repeat-penalty, --repeat-last-n: the kernel's inputs beyond τ, top-k and top-p
+    (hybridlm.engine.sampling.Kernel), as llama.cpp names them."""
+    fn = click.option("--repeat-last-n", type=click.IntRange(min=-1), default=64, show_default=True,
+                      help="The repeat penalty's window: the last N tokens of the context (-1: all of it, 0: none).")(fn)
+    fn = click.option("--repeat-penalty", type=float, default=1.0, show_default=True,
+                      help="Divide a positive logit (multiply a negative one) by R for tokens in the window (1: off).")(fn)
+    fn = click.option("--min-p", type=float, default=0.0, show_default=True,
+                      help="Keep the tokens with p ≥ M × the most likely token's p, M in [0, 1] (0: off).")(fn)
+    return fn
+
+
 def context_option(fn):
     """--context-policy: what happens at the context horizon T (hybridlm.engine.prefill.ContextPolicy)."""
     from hybridlm.engine.prefill import ContextPolicy

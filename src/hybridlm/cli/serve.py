@@ -5,14 +5,16 @@ from __future__ import annotations
 import click
 
 from hybridlm.cli.options import (
-    MODEL, MODEL_HELP, chat_template_option, context_option, drop_without_grammar, mcp_options, precision_option,
-    tool_registry, with_chat_template,
+    MODEL, MODEL_HELP, Device, chat_template_option, context_option, drop_without_grammar, mcp_options,
+    precision_option, tool_registry, with_chat_template,
 )
 
 
 @click.command()
 @click.option("--model", "-m", "model_spec", default=None, type=MODEL, help=MODEL_HELP)
-@click.option("--model-id", default=None, help="The id clients name in 'model' [default: the model's name].")
+@click.option("--served-model-name", "--model-id", "names", multiple=True, metavar="NAME[,NAME...]",
+              help="The names clients may give in 'model' (repeatable or comma-separated; the first is the id "
+                   "/v1/models lists first) [default: the model's name].")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind (127.0.0.1: this machine only; 0.0.0.0 opens it to the network).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0: any free port.")
@@ -36,15 +38,24 @@ from hybridlm.cli.options import (
               help="Jump horizon of a request's server-side tool calls.")
 @click.option("--max-arcs", default=1000, show_default=True, type=click.IntRange(min=1),
               help="Arcs kept for GET /v1/arcs/{id} (the oldest dropped first).")
+@click.option("--allowed-hosts", default="", metavar="NAMES",
+              help="Comma-separated host names the server answers besides its address and localhost (a name "
+                   "behind a proxy; '*' for any). Other Host headers get 421 (DNS rebinding).")
+@click.option("--allowed-origins", default="", metavar="ORIGINS",
+              help="Comma-separated web origins (https://app.example) whose pages may call the server (CORS); "
+                   "'*' for any. Other origins get 403.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@click.option("--threads", default=None, type=click.IntRange(min=1),
+              help="CPU threads of the model's arithmetic (torch's intra-op threads) [default: torch's].")
+@click.option("--device", default="cpu", show_default=True, type=Device(), help="cpu, cuda or cuda:N.")
 @mcp_options
 @chat_template_option
 @precision_option("auto")
 @context_option
-def serve(model_spec, model_id, host, port, tools, kb, api_key, max_batch, max_queue, prefix_cache_mb,
-          continuation_mb, max_body_mb, max_jumps, max_arcs, log_level, mcp, mcp_timeout, chat_template, precision,
-          context_policy):
+def serve(model_spec, names, host, port, tools, kb, api_key, max_batch, max_queue, prefix_cache_mb,
+          continuation_mb, max_body_mb, max_jumps, max_arcs, allowed_hosts, allowed_origins, log_level, threads, device,
+          mcp, mcp_timeout, chat_template, precision, context_policy):
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, tools, streaming)."""
     from hybridlm.errors import InputError
     from hybridlm.server import Service, serve as run_server
@@ -54,22 +65,58 @@ def serve(model_spec, model_id, host, port, tools, kb, api_key, max_batch, max_q
         raise InputError("--api-key is empty: give a key, or leave the option out for no key")
     from hybridlm.server.run import bind
 
+    hosts = tuple(h.strip() for h in allowed_hosts.split(",") if h.strip())
+    origins = tuple(o.strip() for o in allowed_origins.split(",") if o.strip())
+    for o in origins:
+        if o != "*" and not o.startswith(("http://", "https://")):
+            raise InputError(f"--allowed-origins {o!r}: expected an origin like https://app.example (or *)")
+    served = [n.strip() for given in names for n in given.split(",")]
+    if any(not n for n in served) or len(set(served)) != len(served):
+        raise InputError(f"--served-model-name {','.join(served)!r}: expected distinct, non-empty names")
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
     try:  # the port is taken now, so that a busy one is named before the model loads
         sock = bind(host, port)
     except OSError as exc:
         raise InputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     with tool_registry(tools, kb=kb, mcp=mcp, timeout_s=mcp_timeout) as reg:
-        model = with_chat_template(load_model(model_spec, precision=precision), chat_template)
-        drop_without_grammar(reg, model)
-        name = model_id or model_spec or "smollm2-135m"
-        service = Service(model, model_id=name, tools=reg if reg.tools else None, max_batch=max_batch,
-                          max_queue=max_queue, prefix_cache_mb=prefix_cache_mb, continuation_mb=continuation_mb,
-                          context=context_policy, max_jumps=max_jumps, max_arcs=max_arcs)
+        name = served[0] if served else model_spec or "smollm2-135m"
+        loaded = {}
+
+        def load() -> Service:
+            """The model loads while the HTTP server answers /health with 503 "loading"."""
+            import torch
+
+            where = device if device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+            model = with_chat_template(load_model(model_spec, precision=precision, device=where), chat_template)
+            drop_without_grammar(reg, model)
+            loaded["precision"] = model.precision
+            return Service(model, model_id=tuple(served) or (name,), tools=reg if reg.tools else None,
+                           max_batch=max_batch, max_queue=max_queue, prefix_cache_mb=prefix_cache_mb,
+                           continuation_mb=continuation_mb, context=context_policy, max_jumps=max_jumps,
+                           max_arcs=max_arcs)
 
         def ready(bound_port: int) -> None:
-            served = ", ".join(t.name for t in reg) or "none"
-            click.echo(f"[hybridlm serve: {name} ({model.precision}) at http://{host}:{bound_port}/v1; "
-                       f"server-side tools: {served}]", err=True)
+            offered = ", ".join(t.name for t in reg) or "none"
+            click.echo(f"[hybridlm serve: {name} ({loaded['precision']}) at http://{host}:{bound_port}/v1; "
+                       f"server-side tools: {offered}]", err=True)
+            if reg.tools and api_key is None and not _loopback(host):
+                click.echo(f"warning: server-side tools ({offered}) run for anyone who reaches {host}:{bound_port}: "
+                           "no --api-key is set", err=True)
 
-        run_server(service, sock=sock, api_key=api_key, max_body_bytes=int(max_body_mb * 2**20),
-                   log_level=log_level, on_ready=ready)
+        run_server(load, sock=sock, api_key=api_key, max_body_bytes=int(max_body_mb * 2**20),
+                   log_level=log_level, allowed_hosts=hosts, allowed_origins=origins, on_ready=ready)
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -71,6 +71,7 @@ def json_grammar(schema: dict | bool | str, *, lenient: bool = False) -> str:
         schema = {}
     if not isinstance(schema, dict):
         raise InputError(f"JSON schema: expected an object, got {type(schema).__name__}")
+    _check_size(schema)
     compact: dict = _representable(schema)
     options: Any = {**JSON_FORMAT, "lenient": lenient}  # (llguidance's JsonCompileOptions, a TypedDict)
     try:
@@ -88,6 +89,31 @@ INTEGER_LIMIT = 10**18 - 1
 NUMBER_LIMIT = 10**15
 LOWER, UPPER = ("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")
 DATA = {"const", "enum", "default", "examples"}  # values, not schemas: left as they are
+
+
+MAX_SCHEMA_DEPTH = 64  # nesting of objects and arrays (a real schema nests a handful)
+MAX_SCHEMA_NODES = 20_000  # values in the whole schema
+MAX_SCHEMA_DIGITS = 400  # digits of one integer (float(10**400) overflows; a bound needs 20)
+
+
+def _check_size(schema) -> None:
+    """Bounds checked before any walk that recurses or converts: InputError for a schema nested or
+    sized beyond what any real schema is, or an integer too long to be a number the library reads."""
+    stack, nodes = [(schema, 1)], 0
+    while stack:
+        node, depth = stack.pop()
+        nodes += 1
+        if depth > MAX_SCHEMA_DEPTH:
+            raise InputError(f"JSON schema: nested more than {MAX_SCHEMA_DEPTH} levels deep (the limit)")
+        if nodes > MAX_SCHEMA_NODES:
+            raise InputError(f"JSON schema: more than {MAX_SCHEMA_NODES:,} values; too large to compile")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+        elif isinstance(node, int) and not isinstance(node, bool) and node.bit_length() > MAX_SCHEMA_DIGITS * 3.33:
+            raise InputError(f"JSON schema: an integer of about {int(node.bit_length() / 3.33)} digits; "
+                             f"at most {MAX_SCHEMA_DIGITS} are read")
 
 
 def _representable(node, path: str = "schema"):

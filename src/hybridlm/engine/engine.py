@@ -2,9 +2,11 @@
 
 Each sequence is an `ArcState` with its own `HybridSystem`. One engine step
 
-1. admits the sequences that joined since the last step (each prefilled alone, reusing cached
-   prefixes) and lands the jumps whose external work finished (their observation enc(y)
-   prefilled, the sequence back in q_G);
+1. admits the sequences that joined since the last step and advances the prefill of one of them
+   by one canonical segment (reusing cached prefixes): a long prompt is prefilled across steps,
+   interleaved with the token steps of the running rows, which so never wait longer than one
+   segment; a sequence whose prefill is complete joins the batch. It lands the jumps whose
+   external work finished (their observation enc(y) prefilled, the sequence back in q_G);
 2. classifies every sequence in q_G, HyEQ's way: in the jump set D (and below the jump
    horizon) it jumps, leaving the batch for q_E while its tool runs on a worker thread; in
    the flow set C (and below the token budget) it flows; in C ∩ D the priority rule decides;
@@ -27,12 +29,14 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Generator
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
 from hybridlm.engine.arc import Mode, Termination
-from hybridlm.engine.prefill import ContextPolicy, PrefixCache, inject, prefill, truncate_for_step
+from hybridlm.engine.prefill import ContextPolicy, PrefixCache, inject, prefill_steps, truncate_for_step
 from hybridlm.engine.sequence import ArcState
 from hybridlm.engine.system import Priority
 from hybridlm.errors import InputError
@@ -71,6 +75,7 @@ class Engine:
         self.prefix_cache = prefix_cache
         self.stats = EngineStats()
         self.waiting: deque[ArcState] = deque()  # joined, not yet admitted
+        self.filling: deque[tuple[ArcState, Generator]] = deque()  # admitted, their prefill under way
         self.active: list[ArcState] = []  # in q_G: the batch
         self.external: list[ArcState] = []  # in q_E: their jump maps run
         self._cancelled: set[ArcState] = set()
@@ -98,7 +103,7 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.active or self.external)
+        return bool(self.waiting or self.filling or self.active or self.external)
 
     def run(self, sequences: list[ArcState] | None = None) -> None:
         """Step until every sequence (or the given ones) has ended."""
@@ -134,11 +139,12 @@ class Engine:
         """One engine step; False when nothing was left to do."""
         self._withdraw()
         self._admit()
+        self._fill()
         self._land()
         flowing = self._classify()
         if flowing:
             self._flow(flowing)
-        elif self.external:
+        elif self.external and not self.filling:
             cf.wait([s.pending for s in self.external], timeout=0.05, return_when=cf.FIRST_COMPLETED)
         return self.busy
 
@@ -150,7 +156,7 @@ class Engine:
 
     # ------------------------------------------------------------------ joining and leaving
     def _admit(self) -> None:
-        while self.waiting and len(self.active) < self.max_batch:
+        while self.waiting and len(self.active) + len(self.filling) < self.max_batch:
             with self._lock:
                 s = self.waiting.popleft()
             self.stats.joined += 1
@@ -170,29 +176,60 @@ class Engine:
                control=s.controls.describe() if s.controls is not None else [], time_unix_ns=time.time_ns())
         s.enter_phase("prefill", tokens=len(s.prompt))
         t0 = time.perf_counter()
-        cache = self.prefix_cache
-        reused = cache.hit_tokens if cache is not None else 0
         try:
             if s.x is None and s.continues is not None:  # copied here, in the engine's thread
                 s.x = s.continues.clone()
             if s.x is None:  # (a caller may hand over a state that holds the prompt already)
+                steps = prefill_steps(self.model, s.prompt, marks=s.marks, cache=self.prefix_cache,
+                                      soft_prefix=None if s.controls is None else s.controls.prefix, policy=self.context)
                 with self._inputs([s]):
-                    s.x = prefill(model, s.prompt, marks=s.marks, cache=cache,
-                                  soft_prefix=None if s.controls is None else s.controls.prefix, policy=self.context)
-                s.cached_tokens = (cache.hit_tokens if cache is not None else 0) - reused
-            else:  # a continued state: it holds all but `resume` (e.g. the observations of a client's tools)
-                s.cached_tokens = len(s.prompt) - len(s.resume)
-                if s.resume:
-                    with self._inputs([s]):
-                        if inject(model, s.x, s.resume, policy=self.context):
-                            s.rebuilds += 1
-            if s.controls is not None:
-                s.controls.start(s.prompt, s.x, s.limits.max_token_steps)
+                    ended, value = _advance(steps)  # (the cache's lookup)
+                if not ended:
+                    s.cached_tokens = value
+                    self.filling.append((s, steps))
+                    return
+                s.x = value  # a prefill in one piece (a soft prefix, a bare state-space form)
+            # a continued state: it holds all but `resume` (e.g. the observations of a client's tools)
+            s.cached_tokens = len(s.prompt) - len(s.resume)
+            if s.resume:
+                with self._inputs([s]):
+                    if inject(model, s.x, s.resume, policy=self.context):
+                        s.rebuilds += 1
         except Exception as exc:  # noqa: BLE001 - the sequence ends with its error; the others go on
             self._fail(s, exc)
             return
         finally:
             self.stats.wall_prefill_s += time.perf_counter() - t0
+        self._joined(s)
+
+    def _fill(self) -> None:
+        """One segment of the first prefill under way (the running rows wait for no more than that)."""
+        if not self.filling:
+            return
+        s, steps = self.filling[0]
+        t0 = time.perf_counter()
+        try:
+            with self._inputs([s]):
+                ended, value = _advance(steps)
+        except Exception as exc:  # noqa: BLE001 - the sequence ends with its error; the others go on
+            self.filling.popleft()
+            self._fail(s, exc)
+            return
+        finally:
+            self.stats.wall_prefill_s += time.perf_counter() - t0
+        if ended:
+            self.filling.popleft()
+            s.x = value
+            self._joined(s)
+
+    def _joined(self, s: ArcState) -> None:
+        """The prompt is in the state: the sequence joins the batch."""
+        try:
+            if s.controls is not None:
+                s.controls.start(s.prompt, s.x, s.limits.max_token_steps)
+        except Exception as exc:  # noqa: BLE001 - the sequence ends with its error; the others go on
+            self._fail(s, exc)
+            return
         s.enter_phase(s.system.phase_of(s))
         self.active.append(s)
         s.emit("batch", action="join", reason="prefilled", batch=len(self.active))
@@ -205,6 +242,7 @@ class Engine:
             for s in gone:
                 if s in self.waiting:
                     self.waiting.remove(s)
+            self.filling = deque((s, steps) for s, steps in self.filling if s not in gone)
         for s in gone:
             if s.done:
                 continue
@@ -474,6 +512,14 @@ def _on_rows(fn, members: set):
         return h
 
     return observing(on_rows) if getattr(fn, "observes", False) else on_rows
+
+
+def _advance(steps: Generator) -> tuple[bool, Any]:
+    """One step of a generator: (False, what it yielded) or (True, what it returned)."""
+    try:
+        return False, next(steps)
+    except StopIteration as done:
+        return True, done.value
 
 
 def _device(model):

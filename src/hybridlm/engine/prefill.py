@@ -173,7 +173,6 @@ def segments(tokens: Sequence[int], marks: Iterable[int] = (), start: int = 0) -
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-@torch.no_grad()
 def prefill(model, tokens: Sequence[int], *, marks: Iterable[int] = (), cache: PrefixCache | None = None,
             soft_prefix: torch.Tensor | None = None, policy: ContextPolicy = ContextPolicy()):
     """x_0 for the string `tokens` (one sequence), in canonical segments, reusing cached prefixes.
@@ -181,6 +180,20 @@ def prefill(model, tokens: Sequence[int], *, marks: Iterable[int] = (), cache: P
     A string longer than the horizon keeps its last `policy.keep(T)` tokens. With a soft prefix
     (a control input, hybridlm.control.inputs) the prefix rows come first and nothing is cached.
     """
+    steps = prefill_steps(model, tokens, marks=marks, cache=cache, soft_prefix=soft_prefix, policy=policy)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+@torch.no_grad()
+def prefill_steps(model, tokens: Sequence[int], *, marks: Iterable[int] = (), cache: PrefixCache | None = None,
+                  soft_prefix: torch.Tensor | None = None, policy: ContextPolicy = ContextPolicy()):
+    """`prefill` one segment at a time, for an engine that interleaves a long prefill with the token
+    steps of its running rows: yields the tokens taken from the cache, then once after each segment;
+    returns x_0 (StopIteration's value)."""
     tokens = [int(i) for i in tokens]
     if not tokens:
         raise InputError("empty prompt: a sequence needs at least one token")
@@ -208,12 +221,15 @@ def prefill(model, tokens: Sequence[int], *, marks: Iterable[int] = (), cache: P
             done, x = found
     if x is None:
         x = model.empty_state(1, capacity=len(tokens))
+    yield x.n if done else 0
     ends = {b for b in range(SEGMENT, len(tokens) + 1, SEGMENT)} | set(marks)
     for i in range(done, len(parts)):
         a, b = parts[i]
         model.F(x, tokens[a:b])
         if cache is not None and b in ends:  # (a prompt's own tail is no prefix of another's segments)
             cache.put(keys[: i + 1], x)
+        if i + 1 < len(parts):
+            yield b
     return x
 
 

@@ -43,6 +43,7 @@ import jsonschema
 
 from hybridlm.engine.arc import HybridArc, format_rates
 from hybridlm.errors import InputError
+from hybridlm.files import output_flags, refusal
 from hybridlm.lm.capture import Recorder
 
 _SYNCED = ("start", "phase", "jump", "end")
@@ -53,16 +54,17 @@ class TraceWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # O_NONBLOCK: a FIFO no process reads would block open(2) until one comes; this way it fails at once
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        flags = output_flags(self.path) | os.O_NONBLOCK
         try:
             fd = os.open(self.path, flags, 0o666)
         except OSError as exc:
             if exc.errno == errno.ENXIO:
                 raise InputError(f"{self.path}: a FIFO or socket that no process reads; a trace is written to a "
                                  "regular file (or a pipe with a reader)") from None
-            raise InputError(f"{self.path}: the trace cannot be written ({exc.strerror or exc})") from None
+            raise refusal(self.path, "trace", exc) from None
         os.set_blocking(fd, True)  # a slow reader of a pipe makes writes wait, not fail with EAGAIN
         self._fd: int | None = fd
+        self.failed: str | None = None  # why the trace ended early (a write error), else None
         # fsync is for files on disk; a pipe, a terminal or /dev/null refuses it (EINVAL)
         self._sync = stat.S_ISREG(os.fstat(fd).st_mode)
 
@@ -74,12 +76,19 @@ class TraceWriter:
         if isinstance(record, str):
             record = {"event": record, **fields}
         if self._fd is None:
+            if self.failed is not None:  # the trace ended at a write error; the run goes on
+                return
             raise ValueError(f"trace {self.path} is closed")
         line = memoryview((json.dumps(record, ensure_ascii=False, default=str) + "\n").encode("utf-8"))
-        while line:  # one write(2) for a file: a kill lands between lines; a pipe may take it in parts
-            line = line[os.write(self._fd, line):]
-        if self._sync and record.get("event") in _SYNCED:
-            os.fsync(self._fd)
+        try:
+            while line:  # one write(2) for a file: a kill lands between lines; a pipe may take it in parts
+                line = line[os.write(self._fd, line):]
+            if self._sync and record.get("event") in _SYNCED:
+                os.fsync(self._fd)
+        except OSError as exc:  # a full disk, /dev/full, a reader gone: the trace ends, the run does not
+            self.failed = f"{self.path}: the trace could not be written ({exc.strerror or exc}); it ends here"
+            self.close()
+            warnings.warn(self.failed, TraceWriteWarning, stacklevel=2)
 
     def on_end(self, s) -> None:
         self.close()
@@ -118,6 +127,10 @@ def StateRecorder(model, path: str | os.PathLike) -> Recorder:
 # ---------------------------------------------------------------------- reading
 SCHEMA_PATH = Path(__file__).with_name("trace.schema.json")
 MAX_LINE_BYTES = 16 << 20  # one event; a jump's observation is capped far below this
+
+
+class TraceWriteWarning(UserWarning):
+    """A trace could not be written on (a full disk): it ends there, the run goes on."""
 
 
 class CutTraceWarning(UserWarning):

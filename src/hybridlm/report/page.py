@@ -16,6 +16,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from hybridlm.errors import InputError
+from hybridlm.files import write_output
 from hybridlm.report.arc import arc_view, load_states, states_beside
 from hybridlm.report.runs import consensus_view, detect, survey_view
 
@@ -106,5 +107,5 @@ def write_report(path: str | os.PathLike, out: str | os.PathLike, *, states=None
     kind, text = report_html(path, states=states)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text, encoding="utf-8")
+    write_output(out, text, "report")
     return kind, out

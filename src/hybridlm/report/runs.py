@@ -26,6 +26,8 @@ def detect(path: str | Path) -> str:
     p = Path(path)
     if p.is_file():
         return "arc"
+    if p.exists() and not p.is_dir():
+        raise InputError(f"{p}: not a regular file (a device, FIFO or socket); expected a trace file or a run folder")
     if not p.is_dir():
         raise InputError(f"{p}: no such file or folder")
     if consensus_cases(p):

@@ -71,7 +71,7 @@ def pending_tool_results(messages) -> tuple[int, dict[str, str]] | None:
     if i == len(messages) or i == 0 or messages[i - 1].role != "assistant" or not messages[i - 1].tool_calls:
         return None
     results = {m.tool_call_id: text_of(m.content) for m in messages[i:]}
-    wanted = [c.id for c in messages[i - 1].tool_calls]
+    wanted = dict.fromkeys(c.id for c in messages[i - 1].tool_calls)  # (a set in call order)
     missing = [c for c in wanted if c not in results]
     if missing:
         raise invalid(f"the tool calls {missing} of messages[{i - 1}] have no tool message answering them",

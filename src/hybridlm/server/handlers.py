@@ -10,6 +10,7 @@ Its response names the arcs (`hybridlm.arcs`, and the `X-Hybridlm-Arcs` header),
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import secrets
 import time
@@ -18,15 +19,18 @@ from typing import Any
 
 import torch
 
-from hybridlm.constraints import json_schema_constraint, library
+from hybridlm.constraints import GrammarConstraint, json_schema_constraint, library
 from hybridlm.engine.arc import Termination
 from hybridlm.engine.clock import default_stops, sequence
 from hybridlm.engine.sampling import Kernel
 from hybridlm.engine.sequence import ArcState, Limits
 from hybridlm.errors import HybridLMError, InputError
 from hybridlm.server import chat as C
+from hybridlm.server.guard import check_prompt_size
 from hybridlm.server.service import Service
-from hybridlm.server.wire import APIError, ChatBody, CompletionBody, invalid, prompt_list, stop_list
+from hybridlm.server.wire import (
+    STRUCTURED, APIError, ChatBody, CompletionBody, invalid, prompt_list, stop_list, structured,
+)
 from hybridlm.turns import (
     TAGGED_JSON, CallCodec, Conversation, Offer, Protocol, View, codec_for, render, tool_call_constraint, turns_of,
 )
@@ -34,7 +38,13 @@ from hybridlm.turns import (
 FINISH: dict[Termination | None, str] = {
     Termination.STOP_TOKEN: "stop", Termination.STOP_SEQUENCE: "stop", Termination.CONSTRAINT: "stop",
     Termination.TOKEN_BUDGET: "length", Termination.JUMP_HORIZON: "length", Termination.JUMP_SET: "tool_calls",
+    Termination.CANCELLED: "cancelled", Termination.ERROR: "error",
 }
+
+
+def finish_reason(s: ArcState) -> str:
+    """OpenAI's finish reason of an ended choice; a choice cut short by the server says so ("cancelled")."""
+    return FINISH.get(s.arc.termination, "cancelled")
 
 
 @dataclass
@@ -63,28 +73,81 @@ class Prepared:
 
 # ---------------------------------------------------------------------- requests → sequences
 def check_model(service: Service, model: str) -> None:
-    if model != service.model_id:
-        raise APIError(404, f"The model '{model}' does not exist; this server serves '{service.model_id}'",
+    if model not in service.names:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                            f"{', '.join(repr(n) for n in service.names)}",
                        param="model", code="model_not_found")
 
 
 def _kernel(body, vocab: int) -> Kernel:
-    """The request's sampling law: τ (0: greedy), top-p, top-k, and the penalties and logit bias
-    that act on the logits (hybridlm.engine.sampling)."""
+    """The request's sampling law: τ (0: greedy), top-p, top-k, min-p, and the penalties and logit
+    bias that act on the logits (hybridlm.engine.sampling). llama.cpp's `repeat_penalty` acts on
+    its last `repeat_last_n` tokens (64 unless given), vLLM's `repetition_penalty` on the whole context."""
     bias = body.logit_bias or {}
     for key in bias:
         if int(key) >= vocab:
             raise invalid(f"logit_bias key {key}: expected a token id < {vocab} (the vocabulary)", param="logit_bias")
-    inputs: dict[str, Any] = dict(frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
-                  logit_bias=bias)
+    inputs: dict[str, Any] = dict(frequency_penalty=body.frequency_penalty or 0.0,
+                                  presence_penalty=body.presence_penalty or 0.0, logit_bias=bias)
+    if body.repetition_penalty is not None:
+        inputs |= dict(repeat_penalty=body.repetition_penalty, repeat_last_n=-1)
+    elif body.repeat_penalty is not None:
+        inputs["repeat_penalty"] = body.repeat_penalty
+    if body.repeat_last_n is not None and body.repetition_penalty is None:
+        inputs["repeat_last_n"] = body.repeat_last_n
     try:
         if body.temperature == 0:
             return Kernel(greedy=True, **inputs)
         top_p = body.top_p if body.top_p is not None and body.top_p < 1 else None
+        top_k = body.top_k if body.top_k is not None and body.top_k > 0 else None
         return Kernel(temperature=1.0 if body.temperature is None else body.temperature, top_p=top_p,
-                      top_k=body.top_k, **inputs)
+                      top_k=top_k, min_p=body.min_p or 0.0, **inputs)
     except InputError as exc:
         raise invalid(str(exc), param="temperature") from None
+
+
+def output_grammar(tok, body) -> tuple[str, dict | bool | None, str | None]:
+    """The output constraint of llama.cpp's and vLLM's structured-output fields: (the field, a JSON
+    Schema or None, a compiled llguidance grammar or None). GBNF (llama.cpp's grammars, vLLM's
+    EBNF) is read through llguidance's converter; what it cannot read is refused with the reason."""
+    asked = structured(body)
+    if asked is None:
+        return "", None, None
+    kind, value = asked
+    param = next(k for k in STRUCTURED if getattr(body, k) is not None)
+    try:
+        if kind == "json_schema":
+            schema = json.loads(value) if isinstance(value, str) else value
+            library.json_grammar(schema)  # checked now: a bad schema is the request's error
+            return param, schema, None
+        if kind == "regex":
+            grammar = library.regex_grammar(value)
+        elif kind == "choice":
+            if not all(isinstance(c, str) and c for c in value):
+                raise invalid(f"{param}: expected non-empty strings", param=param)
+            grammar = library.lark_grammar("start: " + " | ".join(json.dumps(c) for c in value))
+        else:
+            grammar = library.lark_grammar(_lark(value, param))
+        library.matcher(library.library_tokenizer(tok), grammar, "the grammar")  # compiled now: its error is the field's
+        return param, None, grammar
+    except ValueError as exc:
+        raise invalid(f"{param}: not JSON ({exc})", param=param) from None
+    except InputError as exc:
+        hint = " (a grammar is read as llguidance's Lark format, or as GBNF converted to it)" if kind == "grammar" else ""
+        raise invalid(f"{param}: {exc}{hint}", param=param) from None
+
+
+def _lark(text: str, param: str) -> str:
+    """A grammar as Lark: GBNF (rules written `name ::= ...`) converted by llguidance."""
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    if "::=" not in text:
+        return text
+    try:
+        return gbnf_to_lark(text)
+    except Exception as exc:  # noqa: BLE001 - the converter raises plain Exception (an unknown rule) beside its own
+        raise invalid(f"{param}: this GBNF grammar could not be converted ({str(exc)[:160]}); send it in "
+                      "llguidance's Lark format instead (as `hybridlm generate --grammar` reads)", param=param) from None
 
 
 def _seeds(body) -> list[int]:
@@ -117,7 +180,8 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
         for t in body.tools or []]
     # The server's own tools are offered when the client names none, unless it asks for a structured
     # reply: response_format and callable tools exclude each other.
-    wants_format = body.response_format is not None and body.response_format.type != "text"
+    wants_format = (body.response_format is not None and body.response_format.type != "text") \
+        or structured(body) is not None
     server = [] if body.tools is not None or service.tools is None or (wants_format and body.tool_choice is None) \
         else [t.offered() for t in service.tools]
     offered = client or server
@@ -136,9 +200,17 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
     schema: dict | bool | None = None
     rf = body.response_format
     if rf is not None and rf.type == "json_object":
-        schema = {"type": "object"}
+        schema = rf.schema_ if rf.schema_ is not None else {"type": "object"}
     elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
         schema = rf.json_schema.schema_
+    field, asked_schema, grammar = output_grammar(tok, body)
+    if (asked_schema is not None or grammar is not None) and schema is not None:
+        raise invalid(f"{field} and response_format each constrain the reply; give one", param=field)
+    if asked_schema is not None:
+        schema = asked_schema
+    if grammar is not None and offered and choice != "none":
+        raise invalid(f"{field} with tools that may be called is not supported; give one or the other "
+                      "(or tool_choice 'none')", param=field)
     if schema is not None and offered and choice != "none":
         raise invalid("response_format with tools that may be called is not supported; give one or the other "
                       "(or tool_choice 'none')", param="response_format")
@@ -156,8 +228,9 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
         except InputError as exc:
             raise invalid(f"tools: {exc}", param="tools") from None
 
-    protocol = Protocol(tok, offered, example=False, codec=codec)
     messages = body.messages
+    check_prompt_size(tok, model.config.n_ctx, (C.text_of(m.content) for m in messages))
+    protocol = Protocol(tok, offered, example=False, codec=codec)
     pending = C.pending_tool_results(messages)
     entry, resume = None, []
     if pending is not None and client:
@@ -176,14 +249,15 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
             raise invalid(str(exc), param="messages") from None
     else:
         prompt, marks = C.state_tokens(entry.state) + resume, []
-    asked = body.max_completion_tokens or body.max_tokens
+    asked = body.max_completion_tokens or body.max_tokens or (body.n_predict if (body.n_predict or 0) > 0 else None)
     budget = _budget(service, len(prompt), asked, "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     kernel = _kernel(body, service.model.config.vocab_size)
     lim = Limits(max_token_steps=budget, max_jumps=service.max_jumps if server else 0,
                  max_jumps_per_step=max(1, service.max_jumps) if parallel and server else 1)
     client_tools = frozenset(t["name"] for t in client)
     offer = Offer(tools=tuple({**t, "server": "client"} if t["name"] in client_tools else t for t in offered),
-                  choice=choice, parallel=parallel, calls=bool(offered), answer_schema=schema, stops=stops)
+                  choice=choice, parallel=parallel, calls=bool(offered), answer_schema=schema, answer_grammar=grammar,
+                  stops=stops)
     elsewhere = C.ClientTools(client_tools, tok, codec, stops) if client_tools else None
     run = None
     if server:
@@ -207,7 +281,7 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
         except InputError as exc:
             raise invalid(str(exc), param="tools") from None
         seqs.append(s)
-    return Prepared("chat", ident, int(time.time()), service.model_id, seqs, stream=body.stream,
+    return Prepared("chat", ident, int(time.time()), body.model, seqs, stream=body.stream,
                     include_usage=bool(body.stream_options and body.stream_options.include_usage), logprobs=logprobs,
                     stops=stops, offer=offer, client_tools=client_tools, codec=codec,
                     prompt_tokens=[len(prompt)] * len(seqs), n=body.n, continued_from=entry.arc if entry is not None else None)
@@ -223,6 +297,14 @@ def prepare_completion(service: Service, body: CompletionBody) -> Prepared:
     seqs: list[ArcState] = []
     lengths, texts = [], []
     stop_ids = default_stops(model)
+    field, schema, grammar = output_grammar(tok, body)
+    if schema is not None:
+        grammar = library.json_grammar(schema)
+    asked = body.max_tokens
+    if body.n_predict is not None:
+        if "max_tokens" in body.model_fields_set and body.n_predict != body.max_tokens:
+            raise invalid("max_tokens and n_predict (llama.cpp's name) differ; give one", param="n_predict")
+        asked = None if body.n_predict < 0 else body.n_predict
     for p, prompt in enumerate(prompt_list(body.prompt)):
         if isinstance(prompt, str):
             ids = tok.encode_markup(prompt)
@@ -234,18 +316,96 @@ def prepare_completion(service: Service, body: CompletionBody) -> Prepared:
             ids, text = list(prompt), tok.decode(prompt)
         if not ids:
             raise invalid(f"prompt[{p}] encodes to no tokens", param="prompt")
-        budget = _budget(service, len(ids), body.max_tokens, "max_tokens", prompt="prompt")
+        budget = _budget(service, len(ids), asked, "max_tokens", prompt="prompt")
         for seed in _seeds(body):
+            constraint = None if grammar is None or budget < 1 else \
+                GrammarConstraint(tok, grammar, kind=field, source=getattr(body, field), budget=budget, vocab_size=V)
             s = sequence(model, ids, kernel=kernel, max_new_tokens=budget, seed=seed, stop_ids=stop_ids, stop=stops,
-                         name=f"{ident}-{len(seqs)}")
+                         name=f"{ident}-{len(seqs)}", constraint=constraint)
             s.logprobs = body.logprobs
             seqs.append(s)
             lengths.append(len(ids))
             texts.append(text)
-    return Prepared("completion", ident, int(time.time()), service.model_id, seqs, stream=body.stream,
+    return Prepared("completion", ident, int(time.time()), body.model, seqs, stream=body.stream,
                     include_usage=bool(body.stream_options and body.stream_options.include_usage),
                     logprobs=body.logprobs, stops=stops, prompt_tokens=lengths, prompt_texts=texts, echo=body.echo,
                     n=body.n)
+
+
+# ---------------------------------------------------------------------- embeddings, tokens
+def embeddings(service: Service, body) -> dict:
+    """OpenAI's embeddings: for each input, its hidden states at layer ℓ pooled over positions
+    (the mean, or the last position's), unit length unless `normalize` is false.
+
+    ℓ is counted as the model's forward does: 0 is H⁽⁰⁾ (the embedding), ℓ < L the residual
+    stream after ℓ blocks, and ℓ = L (the default) LN_f(H⁽ᴸ⁾), the state the readout reads
+    (what llama.cpp's embeddings of a generative model are)."""
+    check_model(service, body.model)
+    model, tok = service.model, service.tokenizer
+    L, V = model.config.n_layer, model.config.vocab_size
+    layer = L if body.layer is None else body.layer
+    if not 0 <= layer <= L:
+        raise invalid(f"layer {layer}: expected 0 ≤ layer ≤ {L} (the model's blocks)", param="layer")
+    d = model.config.d_model
+    if body.dimensions is not None and body.dimensions != d:
+        raise invalid(f"dimensions {body.dimensions}: this model's embeddings have {d} (no shortening)",
+                      param="dimensions")
+    inputs = prompt_list(body.input)
+    if not inputs:
+        raise invalid("input is empty", param="input")
+    data, used = [], 0
+    for i, item in enumerate(inputs):
+        ids = tok.encode(item) if isinstance(item, str) else list(item)
+        if not ids:
+            raise invalid(f"input[{i}] encodes to no tokens", param="input")
+        if any(not 0 <= t < V for t in ids):
+            raise invalid(f"input[{i}] holds a token id outside the vocabulary [0, {V})", param="input")
+        if len(ids) > model.config.n_ctx:
+            raise invalid(f"input[{i}] is {len(ids)} tokens; the context holds {model.config.n_ctx}", param="input",
+                          code="context_length_exceeded")
+        used += len(ids)
+        with torch.no_grad():
+            h = model(torch.tensor([ids]), layers=layer, logits=False)[0]
+            if layer == L:
+                h = model.ln_final(h)
+        v = (h.mean(0) if body.pooling == "mean" else h[-1]).float()
+        if body.normalize:
+            v = v / v.norm().clamp_min(1e-12)
+        vec: Any = v.tolist()
+        if body.encoding_format == "base64":
+            vec = base64.b64encode(v.numpy().astype("<f4").tobytes()).decode()
+        data.append({"object": "embedding", "index": i, "embedding": vec})
+    return {"object": "list", "data": data, "model": body.model, "usage": {"prompt_tokens": used, "total_tokens": used},
+            "hybridlm": {"layer": layer, "pooling": body.pooling, "normalized": body.normalize}}
+
+
+def tokenize(service: Service, body) -> dict:
+    """llama.cpp's /tokenize: {"tokens": [ids]}, or [{"id", "piece"}] with with_pieces (a piece that is
+    not whole UTF-8 is its list of bytes, as llama.cpp gives it)."""
+    tok = service.tokenizer
+    ids = tok.encode_markup(body.content) if body.parse_special else tok.encode(body.content)
+    if body.add_special:
+        ids = tok.with_special(ids)
+    if not body.with_pieces:
+        return {"tokens": ids}
+    lib = library.library_tokenizer(tok)
+    pieces = []
+    for i in ids:
+        raw = bytes(lib.decode_bytes([i]))
+        try:
+            piece: Any = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        pieces.append({"id": i, "piece": piece})
+    return {"tokens": pieces}
+
+
+def detokenize(service: Service, body) -> dict:
+    V = service.model.config.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < V]
+    if bad:
+        raise invalid(f"token id {bad[0]} is outside the vocabulary [0, {V})", param="tokens")
+    return {"content": service.tokenizer.decode(body.tokens)}
 
 
 # ---------------------------------------------------------------------- arcs → what the client sees
@@ -370,7 +530,7 @@ def chat_response(prep: Prepared, service: Service) -> dict:
             logprobs = {"content": [_token_logprob(tok, lib, e) for e in s.arc.of("token") if not e.get("stop")],
                         "refusal": None}
         choices.append({"index": i, "message": message, "logprobs": logprobs,
-                        "finish_reason": FINISH.get(s.arc.termination, "stop")})
+                        "finish_reason": finish_reason(s)})
     return {"id": prep.id, "object": "chat.completion", "created": prep.created, "model": prep.model,
             "choices": choices, "usage": _usage(prep), "system_fingerprint": _fingerprint(service),
             "hybridlm": _extension(prep)}
@@ -388,7 +548,7 @@ def completion_response(prep: Prepared, service: Service) -> dict:
         prefix = prep.prompt_texts[i] if prep.echo else ""
         logprobs = _completion_logprobs(tok, tokens, len(prefix)) if prep.logprobs is not None else None
         choices.append({"index": i, "text": prefix + text, "logprobs": logprobs,
-                        "finish_reason": FINISH.get(s.arc.termination, "stop")})
+                        "finish_reason": finish_reason(s)})
     return {"id": prep.id, "object": "text_completion", "created": prep.created, "model": prep.model,
             "choices": choices, "usage": _usage(prep), "system_fingerprint": _fingerprint(service),
             "hybridlm": _extension(prep)}
@@ -458,7 +618,10 @@ async def stream(prep: Prepared, queue: asyncio.Queue, service: Service, ttft):
                 if st.s.arc.termination is Termination.ERROR:
                     yield sse(_error_of(st.s).body())
                     continue
-                if st.s.arc.termination is Termination.CANCELLED:
+                if st.s.arc.termination is Termination.CANCELLED:  # by the server (a client gone hears nothing)
+                    yield sse({"error": {"message": f"the choice {i} was cancelled by the server (shutting down) "
+                                                    "before it finished", "type": "server_error", "param": None,
+                                         "code": "cancelled"}})
                     continue
             else:
                 had = st.first_token
@@ -518,7 +681,7 @@ class ChatChunks:
         if st.pending_logprobs and (final or view.calls):
             yield self.chunk(i, {}, logprobs=st.take_logprobs(self.lib))
         if final:
-            yield self.chunk(i, {}, finish=FINISH.get(st.s.arc.termination, "stop"))
+            yield self.chunk(i, {}, finish=finish_reason(st.s))
 
 
 class CompletionChunks:
@@ -549,7 +712,7 @@ class CompletionChunks:
             self.offsets[i] += sum(len(t) for t in logprobs["tokens"])
             st.pending_logprobs = []
         if delta or logprobs or final:
-            yield self.chunk(i, delta, logprobs, FINISH.get(st.s.arc.termination, "stop") if final else None)
+            yield self.chunk(i, delta, logprobs, finish_reason(st.s) if final else None)
 
 
 def first_token_delay(prep: Prepared, s: ArcState) -> float | None:

@@ -6,9 +6,12 @@ parameter and what was expected, sent as OpenAI sends it:
 
     {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}
 
-Fields that OpenAI defines and this server does not act on (user, metadata, store, ...) are
-accepted and ignored, as OpenAI-compatible servers do; parameters whose effect it cannot give
-(images, insertion suffixes) are refused rather than silently ignored.
+Every top-level field is honoured or refused with a 400 that names it. The only fields accepted
+without an effect are those OpenAI's own clients send that do not change the tokens
+(`OPENAI_NO_EFFECT`, one list); llama.cpp's and vLLM's extensions of the request are honoured
+where the kernel or a constraint gives their effect (`min_p`, `top_k`, `repeat_penalty`,
+`repetition_penalty`, `grammar`, `json_schema`, `guided_*`, `structured_outputs`) and refused
+otherwise (docs/server.md has the table).
 """
 
 from __future__ import annotations
@@ -21,7 +24,12 @@ from pydantic import BaseModel, ConfigDict, Field, Strict
 
 MAX_N = 16  # choices per request
 MAX_STOP = 4  # stop strings (OpenAI's limit)
+MAX_STOP_CHARS = 512  # characters of one stop string (each is searched for at every streamed token)
 MAX_TOP_LOGPROBS = 20
+MAX_MESSAGES = 2048  # messages of one conversation (OpenAI's limit)
+MAX_TOOLS = 128  # tools offered by one request (OpenAI's limit)
+MAX_CALLS = 128  # tool calls of one assistant message
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 
 # Numbers and flags as JSON writes them: `true` is not 1 and "0.7" is not 0.7 (OpenAI refuses both).
 Int = Annotated[int, Strict()]
@@ -105,6 +113,17 @@ class JSONSchemaFormat(_Strict):
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # llama.cpp's json_object with a schema
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` (one of its keys)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class StreamOptions(_Strict):
@@ -115,7 +134,22 @@ class _Sampling(_Body):
     model: str
     temperature: Num | None = Field(default=None, ge=0, le=2)
     top_p: Num | None = Field(default=None, gt=0, le=1)
-    top_k: Int | None = Field(default=None, ge=1)  # an extension (llama.cpp and vLLM accept it)
+    # llama.cpp's and vLLM's sampling extensions (hybridlm.engine.sampling.Kernel's inputs)
+    top_k: Int | None = Field(default=None, ge=-1)  # −1 and 0: off
+    min_p: Num | None = Field(default=None, ge=0, le=1)
+    repeat_penalty: Num | None = Field(default=None, gt=0)
+    repeat_last_n: Int | None = Field(default=None, ge=-1)
+    repetition_penalty: Num | None = Field(default=None, gt=0)  # vLLM's: over the whole context
+    # structured output (one at most): llama.cpp's grammar (GBNF or Lark) and json_schema, vLLM's guided_*
+    grammar: str | None = None
+    json_schema: dict[str, Any] | bool | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    structured_outputs: StructuredOutputs | None = None
+    n_predict: Int | None = Field(default=None, ge=-1)  # llama.cpp's max_tokens (−1: up to the context)
+    cache_prompt: Flag | None = None  # llama.cpp's; the prefix cache never changes the tokens
     # any 64-bit integer, signed or not (llama.cpp's clients send -1); taken modulo 2⁶⁴
     seed: Int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     n: Int = Field(default=1, ge=1, le=MAX_N)
@@ -151,12 +185,26 @@ class CompletionBody(_Sampling):
     best_of: Int | None = Field(default=None, ge=1)
 
 
+# Fields OpenAI's clients send that change no token here: accepted and not acted on, as OpenAI
+# itself accepts them. Every other field the body models do not name is refused.
+OPENAI_NO_EFFECT = frozenset({
+    "user",  # an end-user id for abuse monitoring
+    "metadata", "store",  # stored completions (nothing is stored beyond /v1/arcs)
+    "service_tier",  # a billing tier
+    "safety_identifier", "prompt_cache_key", "prompt_cache_retention",  # OpenAI's caching and monitoring keys
+})
+
 # ---------------------------------------------------------------------- parsing
 Body = TypeVar("Body", bound=BaseModel)
 
 
-def parse_body(raw: bytes | str | dict, cls: type[Body]) -> Body:
-    """The body as `cls`, or an APIError (400) naming the first bad parameter."""
+def known_fields(cls: type[BaseModel]) -> frozenset[str]:
+    return frozenset(f.alias or name for name, f in cls.model_fields.items())
+
+
+def json_object(raw: bytes | str | dict) -> dict:
+    """The body as a JSON object without its null fields (a null is the parameter's default), or an
+    APIError (400): not JSON, not an object, or a string that is not text."""
     if isinstance(raw, (bytes, bytearray, str)):
         try:
             data = json.loads(raw)
@@ -174,6 +222,17 @@ def parse_body(raw: bytes | str | dict, cls: type[Body]) -> Body:
     if where is not None:
         raise invalid(f"'{where}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair): "
                       "not text", param=where or None)
+    return data
+
+
+def parse_body(raw: bytes | str | dict, cls: type[Body]) -> Body:
+    """The body as `cls`, or an APIError (400) naming the first bad parameter."""
+    data = json_object(raw)
+    unknown = [k for k in data if k not in known_fields(cls) and k not in OPENAI_NO_EFFECT]
+    if unknown:
+        name = str(unknown[0])[:60]
+        raise invalid(f"'{name}' is not a parameter this server acts on; it is refused rather than ignored "
+                      "(docs/server.md lists the parameters)", param=name, code="unsupported_parameter")
     try:
         return cls.model_validate(data)
     except pydantic.ValidationError as exc:
@@ -223,6 +282,7 @@ def _union_branch(part) -> bool:
 
 def parse_chat(raw) -> ChatBody:
     body = parse_body(raw, ChatBody)
+    _check_counts(body)
     _check_sampling(body)
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
@@ -287,6 +347,9 @@ def stop_list(stop) -> tuple[str, ...]:
         raise invalid(f"at most {MAX_STOP} stop sequences, got {len(stops)}", param="stop")
     if any(not s for s in stops):
         raise invalid("a stop sequence must not be empty", param="stop")
+    long = next((s for s in stops if len(s) > MAX_STOP_CHARS), None)
+    if long is not None:
+        raise invalid(f"a stop sequence of {len(long):,} characters: at most {MAX_STOP_CHARS}", param="stop")
     return stops
 
 
@@ -294,7 +357,21 @@ MAX_BIAS = 100  # OpenAI's bound on a logit bias
 MAX_ID_DIGITS = 9  # a token id has fewer digits than this (vocabularies are far below 10⁹)
 
 
+def _check_counts(body: ChatBody) -> None:
+    """The cheap bounds, before any check that walks the conversation."""
+    if len(body.messages) > MAX_MESSAGES:
+        raise invalid(f"{len(body.messages):,} messages: at most {MAX_MESSAGES}", param="messages")
+    if body.tools is not None and len(body.tools) > MAX_TOOLS:
+        raise invalid(f"{len(body.tools):,} tools: at most {MAX_TOOLS}", param="tools")
+    for i, m in enumerate(body.messages):
+        if m.tool_calls is not None and len(m.tool_calls) > MAX_CALLS:
+            raise invalid(f"messages[{i}] has {len(m.tool_calls):,} tool calls: at most {MAX_CALLS}",
+                          param=f"messages[{i}].tool_calls")
+
+
 def _check_sampling(body: _Sampling) -> None:
+    if body.logit_bias is not None and len(body.logit_bias) > MAX_LOGIT_BIAS:
+        raise invalid(f"logit_bias has {len(body.logit_bias):,} entries: at most {MAX_LOGIT_BIAS}", param="logit_bias")
     for key, bias in (body.logit_bias or {}).items():
         if not (key.isascii() and key.isdigit()) or len(key) > MAX_ID_DIGITS:
             raise invalid(f"logit_bias key {key[:24]!r}: expected a token id (at most {MAX_ID_DIGITS} digits)",
@@ -303,6 +380,39 @@ def _check_sampling(body: _Sampling) -> None:
             raise invalid(f"logit_bias for token {key}: {bias} is outside [-{MAX_BIAS}, {MAX_BIAS}]",
                           param="logit_bias")
     stop_list(body.stop)
+    if body.repetition_penalty is not None and body.repeat_penalty is not None \
+            and body.repetition_penalty != body.repeat_penalty:
+        raise invalid("repeat_penalty (llama.cpp's) and repetition_penalty (vLLM's) differ; give one",
+                      param="repetition_penalty")
+    if body.repetition_penalty is not None and body.repeat_last_n not in (None, -1):
+        raise invalid("repetition_penalty acts on the whole context (repeat_last_n -1); for a window give "
+                      "repeat_penalty with repeat_last_n", param="repeat_last_n")
+    given = [k for k in STRUCTURED if getattr(body, k) is not None]
+    if len(given) > 1:
+        raise invalid(f"{given[0]} and {given[1]} each constrain the output; give one", param=given[1])
+
+
+STRUCTURED = ("grammar", "json_schema", "guided_json", "guided_regex", "guided_grammar", "guided_choice",
+              "structured_outputs")
+
+
+def structured(body: _Sampling) -> tuple[str, Any] | None:
+    """The output constraint a request's llama.cpp or vLLM fields ask for, as (kind, value) with
+    kind json_schema | regex | grammar | choice; None when none does."""
+    so = body.structured_outputs
+    if so is not None:
+        given = [(k, v) for k, v in (("json_schema", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                     ("grammar", so.grammar)) if v is not None]
+        if len(given) != 1:
+            raise invalid("structured_outputs needs exactly one of json, regex, choice, grammar",
+                          param="structured_outputs")
+        return given[0]
+    for field, kind in (("json_schema", "json_schema"), ("guided_json", "json_schema"), ("grammar", "grammar"),
+                        ("guided_grammar", "grammar"), ("guided_regex", "regex"), ("guided_choice", "choice")):
+        value = getattr(body, field)
+        if value is not None:
+            return kind, value
+    return None
 
 
 def _check_message(m: Message, i: int) -> None:
@@ -328,7 +438,7 @@ def _check_tool_turns(messages: list[Message]) -> None:
     """OpenAI's rule for a conversation with calls: every tool message answers a call of the
     assistant message before its run of tool messages, and every such call is answered before the
     conversation goes on (or ends)."""
-    open_calls: list[str] = []  # calls of the last assistant message not yet answered
+    open_calls: dict[str, None] = {}  # calls of the last assistant message not yet answered (a set in call order)
     opened_at = -1
     for i, m in enumerate(messages):
         if m.role == "tool":
@@ -337,16 +447,16 @@ def _check_tool_turns(messages: list[Message]) -> None:
                     f"messages[{opened_at}] has no unanswered call with that id"
                 raise invalid(f"messages[{i}]: a tool message must answer a call of the assistant message before "
                               f"it; tool_call_id {str(m.tool_call_id)[:40]!r}: {what}", param=f"messages[{i}].tool_call_id")
-            open_calls.remove(m.tool_call_id)
+            del open_calls[m.tool_call_id]
             continue
         if open_calls:
-            raise _unanswered(opened_at, open_calls)
+            raise _unanswered(opened_at, list(open_calls))
         if m.role == "assistant" and m.tool_calls:
-            open_calls, opened_at = [c.id for c in m.tool_calls], i
+            open_calls, opened_at = dict.fromkeys(c.id for c in m.tool_calls), i
         else:
             opened_at = -1
     if open_calls:
-        raise _unanswered(opened_at, open_calls)
+        raise _unanswered(opened_at, list(open_calls))
 
 
 def _unanswered(at: int, ids: list[str]) -> APIError:
@@ -362,3 +472,31 @@ def text_of(content) -> str:
     if isinstance(content, str):
         return content
     return "".join(part["text"] for part in content)
+
+
+# ---------------------------------------------------------------------- embeddings, tokenize
+class EmbeddingsBody(_Body):
+    """OpenAI's embeddings request; `layer` and `pooling` choose the hidden state (hybridlm's)."""
+
+    model: str
+    input: str | list[str] | list[Int] | list[list[Int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = Field(default=None, ge=1)
+    layer: Int | None = None
+    pooling: Literal["mean", "last"] = "mean"
+    normalize: Flag = True
+
+
+class TokenizeBody(_Body):
+    """llama.cpp's /tokenize."""
+
+    content: str
+    add_special: Flag = False
+    parse_special: Flag = True
+    with_pieces: Flag = False
+
+
+class DetokenizeBody(_Body):
+    """llama.cpp's /detokenize."""
+
+    tokens: list[Int]

@@ -37,8 +37,10 @@ import math
 import os
 import shlex
 import shutil
+import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +53,11 @@ from hybridlm.errors import InputError
 DEFAULT_TIMEOUT_S = 30.0  # a tool call
 CONNECT_TIMEOUT_S = 30.0  # starting a server, the handshake and listing its tools
 _GRACE_S = 2.0  # the registry's own guard waits this much longer than our timeout
+MAX_BACKOFF_S = 30.0  # the longest wait between reconnection attempts to a broken server
+# A stdio server is started through this: the kernel sends it SIGTERM when the thread that started it
+# (ours) dies, however this process ends (a kill -9 included); execvp keeps the request (Linux only).
+_DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM); "
+                    "os.execvp(sys.argv[1], sys.argv[1:])")
 
 
 @dataclass
@@ -100,7 +107,10 @@ class _Connection:
     holder: concurrent.futures.Future | None = None
     task: asyncio.Task | None = None  # the holder's task on the loop
     errlog: Any = None  # the stdio server's stderr, kept to say why it died
-    dead: str | None = None  # why calls can no longer reach it
+    dead: str | None = None  # why calls can no longer reach it (until a reconnection succeeds)
+    retry_at: float = 0.0  # monotonic time of the next reconnection attempt
+    backoff_s: float = 0.0  # the wait after the last failed attempt (doubling, at most MAX_BACKOFF_S)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def stderr_tail(self, chars: int = 300) -> str:
         if self.errlog is None:
@@ -153,7 +163,7 @@ class MCPServers:
         from mcp import Client
 
         conn.stop = asyncio.Event()
-        conn.task = asyncio.current_task()
+        conn.task = me = asyncio.current_task()
         try:
             async with Client(self._transport(conn), read_timeout_seconds=self.connect_timeout_s) as client:
                 conn.client = client
@@ -169,13 +179,15 @@ class MCPServers:
                 ready.set_result(None)
                 await conn.stop.wait()
         except BaseException as exc:
-            conn.dead = conn.dead or f"the session ended ({_reason(exc)})"
+            if conn.task is me:  # (a session replaced by a reconnection says nothing of the new one)
+                conn.dead = conn.dead or f"the session ended ({_reason(exc)})"
             if not ready.done():
                 ready.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
-            conn.dead = conn.dead or "the session was closed"
+            if conn.task is me:
+                conn.dead = conn.dead or "the session was closed"
 
     def _transport(self, conn: _Connection):
         from mcp.client.stdio import StdioServerParameters, stdio_client
@@ -186,8 +198,11 @@ class MCPServers:
         conn.errlog = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")
         # the server gets the user's environment, as a command run from the shell does (the SDK's
         # default passes only HOME, PATH and a few others: tokens, PYTHONPATH, a venv were lost)
-        return stdio_client(StdioServerParameters(command=str(conn.spec.command), args=conn.spec.args,
-                                                  env=dict(os.environ)), errlog=conn.errlog)
+        command, args = str(conn.spec.command), list(conn.spec.args)
+        if sys.platform.startswith("linux"):
+            command, args = sys.executable, ["-c", _DIE_WITH_PARENT, command, *args]
+        return stdio_client(StdioServerParameters(command=command, args=args, env=dict(os.environ)),
+                            errlog=conn.errlog)
 
     # ------------------------------------------------------------------ tools
     def _build_tools(self) -> None:
@@ -219,14 +234,14 @@ class MCPServers:
         from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
 
         where = f"{conn.name}/{name}"
-        if conn.dead:
+        if conn.dead and not self._revive(conn):
             return Observation(f"error: MCP server {conn.name} cannot be reached ({conn.dead})", "server_disconnected")
         future = asyncio.run_coroutine_threadsafe(
             conn.client.call_tool(name, arguments, read_timeout_seconds=self.timeout_s), self._loop)
         try:
             result = future.result(self.timeout_s + _GRACE_S / 2)
         except concurrent.futures.TimeoutError:
-            future.cancel()
+            future.cancel()  # (the SDK cancels the request; the session goes on)
             return _timeout(where, self.timeout_s)
         except MCPError as exc:
             if exc.code == REQUEST_TIMEOUT:
@@ -241,9 +256,52 @@ class MCPServers:
 
     def _disconnected(self, conn: _Connection, where: str, exc: BaseException) -> Observation:
         tail = conn.stderr_tail()
-        conn.dead = f"disconnected during a call to {where} ({_reason(exc)})" + (
-            f"; its stderr: {tail}" if tail else "")
+        conn.dead = f"disconnected during a call to {where} ({_reason(exc)})" + (f"; its stderr: {tail}" if tail else "")
+        # reconnected in the background at once (a later call finds the new session, or waits for it)
+        threading.Thread(target=self._revive, args=(conn,), name="mcp-reconnect", daemon=True).start()
         return Observation(f"error: MCP server {conn.name} {conn.dead}", "server_disconnected")
+
+    def _revive(self, conn: _Connection) -> bool:
+        """A broken session reset and connected anew (the process restarted for stdio), at most once per
+        backoff interval (1 s, doubling to MAX_BACKOFF_S after each failure). True when it is back."""
+        with conn.lock:
+            if not conn.dead:
+                return True
+            if time.monotonic() < conn.retry_at or self._loop.is_closed():
+                return False
+            self._leave(conn, wait_s=5.0)
+            name, why = conn.name, conn.dead
+            conn.listed, conn.client, conn.dead, conn.stop, conn.task = [], None, None, None, None
+            try:
+                self._connect(conn)
+            except InputError as exc:
+                conn.backoff_s = min(MAX_BACKOFF_S, 2 * conn.backoff_s or 1.0)
+                conn.retry_at = time.monotonic() + conn.backoff_s
+                conn.dead = f"{why}; reconnecting failed ({exc}), next attempt in {conn.backoff_s:g} s"
+                conn.name = name
+                return False
+            conn.name, conn.backoff_s = name, 0.0
+            return True
+
+    def _leave(self, conn: _Connection, wait_s: float) -> None:
+        """End a session's task: asked to stop, cancelled if it does not within wait_s (a session stuck
+        reading a huge message)."""
+        if conn.stop is not None:
+            self._loop.call_soon_threadsafe(conn.stop.set)
+        if conn.holder is not None:
+            try:
+                conn.holder.result(wait_s)
+            except concurrent.futures.TimeoutError:
+                if conn.task is not None:
+                    self._loop.call_soon_threadsafe(conn.task.cancel)
+                with contextlib.suppress(BaseException):
+                    conn.holder.result(wait_s)
+            except BaseException:  # noqa: BLE001 - the old session's end is no concern of the new one
+                pass
+        if conn.errlog is not None:
+            with contextlib.suppress(OSError):
+                conn.errlog.close()
+            conn.errlog = None
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

@@ -16,6 +16,7 @@ from hybridlm.turns.codecs import TAGGED_JSON, CallCodec
 from hybridlm.turns.codecs.json_text import as_json
 
 CALCULATOR_RULE = "Use the calculator for every calculation; never compute in your head.\n"
+MARKED_LAST = 4  # message boundaries marked at the end of a prompt (besides the system prompt's)
 NO_TOOLS = "You are a helpful assistant. Answer in one short sentence."
 
 # The worked example is the calculator's: shown only when the calculator is offered.
@@ -80,7 +81,11 @@ class Protocol:
         tok = self.tokenizer
         ids = self.prompt_ids(messages)
         marks = []
-        for i in range(1, len(messages)):
+        # The first message (the system prompt with the tools) and the last few: what other prompts share
+        # (other conversations, this one's next request). A mark after every message would render every
+        # prefix (quadratic in the conversation) and prefill in segments of a message each (slow).
+        n = len(messages)
+        for i in sorted({1, *range(max(1, n - MARKED_LAST), n)} & set(range(1, n))):
             head = tok.encode_chat(messages[:i], add_generation_prompt=False)
             if len(head) < len(ids) and ids[: len(head)] == head:
                 marks.append(len(head))

@@ -32,7 +32,7 @@ from typing import Any, Protocol as Interface
 
 import torch
 
-from hybridlm.constraints import json_schema_constraint
+from hybridlm.constraints import GrammarConstraint, json_schema_constraint
 from hybridlm.engine.arc import Termination
 from hybridlm.engine.sequence import ArcState
 from hybridlm.engine.system import HybridSystem
@@ -51,6 +51,7 @@ class Offer:
     constrain: bool = True  # each turn masked by the format's grammar (False: the free baseline)
     calls: bool = True  # the conversation speaks the call format (False: a plain chat, nothing about calls)
     answer_schema: dict | bool | None = None  # the JSON Schema of an answer, when no call may be made
+    answer_grammar: str | None = None  # else a compiled llguidance grammar of the answer (a regex, a grammar)
     stops: tuple[str, ...] = ()  # stop strings of the answer
 
 
@@ -96,6 +97,9 @@ class Conversation(HybridSystem):
             choice = "none"
         if choice == "none" and o.answer_schema is not None:
             return json_schema_constraint(self.tokenizer, o.answer_schema, budget=budget, vocab_size=self.vocab_size)
+        if choice == "none" and o.answer_grammar is not None:
+            return GrammarConstraint(self.tokenizer, o.answer_grammar, kind="grammar", source="request", budget=budget,
+                                     vocab_size=self.vocab_size)
         if not o.calls:
             return None
         parallel = o.parallel and (left is None or left > 1)
