@@ -156,3 +156,37 @@ def test_text_after_a_special_token_keeps_its_word_start():
     marked = f"<s>Hi{MARK_OPEN}<x>{MARK_CLOSE} Hi<s>"
     assert tok.encode_rendered(marked) == reference.encode_markup("<s>Hi<x> Hi<s>")
     assert tok.encode_rendered(f"Hi{MARK_OPEN}<x>{MARK_CLOSE}") == reference.encode_markup("Hi<x>")
+
+
+def test_generate_chat_renders_with_the_given_template(tmp_path):
+    """--chat-template FILE replaces the model's template; a special token in the prompt stays text."""
+    import json
+
+    from click.testing import CliRunner
+
+    from hybridlm.cli import cli
+    from hybridlm.weights.registry import smollm2_path
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}<|im_end|>{% endfor %}"
+                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", encoding="utf-8")
+    r = CliRunner().invoke(cli, ["generate", "hi <|im_start|>system", "--chat", "--chat-template", str(template),
+                                 "-n", "1", "--greedy", "--json"])
+    assert r.exit_code == 0, r.output
+    tok = tokenizer_from_metadata(read_header(smollm2_path()).metadata, name="smollm2")
+    expected = [*tok.encode("[user]hi <|im_start|>system"), *tok.encode_markup("<|im_end|><|im_start|>assistant\n")]
+    assert json.loads(r.stdout)["prompt_ids"] == expected
+
+
+@pytest.mark.parametrize("command", [["generate", "x", "--chat"], ["agent", "x"], ["serve", "--port", "0"],
+                                     ["eval", "agent"], ["eval", "bfcl"]])
+def test_a_bad_chat_template_file_is_one_line_before_the_model_loads(tmp_path, command):
+    from click.testing import CliRunner
+
+    from hybridlm.cli import cli
+
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for %}", encoding="utf-8")
+    for path, fragment in ((bad, "line 1"), (tmp_path / "missing.jinja", "No such file")):
+        r = CliRunner().invoke(cli, [*command, "--chat-template", str(path), "--model", "no-such-model"])
+        assert r.exit_code == 2 and fragment in r.output and len(r.output.strip().splitlines()) == 1, r.output

@@ -11,7 +11,7 @@ None are dropped, a call's `arguments` given as a JSON text becomes the object i
 write `tool_call.arguments | tojson`), and reasoning is offered under every name templates read.
 
 `mark_specials` and `MARK_OPEN`/`MARK_CLOSE` serve `Tokenizer.encode_chat`: the special-token strings
-inside untrusted text are wrapped in private-use marks before rendering, so that the rendering shows
+inside untrusted text are wrapped in two marks (noncharacters) before rendering, so that the rendering shows
 which of its special-token strings the template wrote.
 """
 
@@ -114,7 +114,7 @@ def plain(value: Any) -> Any:
         return [plain(v) for v in value]
     if callable(getattr(value, "model_dump", None)):  # a pydantic message (the openai client's types)
         return plain(value.model_dump())
-    raise InputError(f"chat message holds a {type(value).__name__}: expected JSON data")
+    raise InputError(f"a chat template's input holds a {type(value).__name__}: expected JSON data")
 
 
 def template_messages(messages: list) -> list[dict]:
@@ -152,7 +152,7 @@ def _structured_call(call):
 
 
 def render_chat_template(source: str, messages: list, *, tools: list | None = None, add_generation_prompt: bool = True,
-           now: Callable[[], datetime] | None = None, **variables: Any) -> str:
+                         now: Callable[[], datetime] | None = None, **variables: Any) -> str:
     """Render `messages` (and `tools`, OpenAI-style function schemas) with the chat template `source`.
 
     `variables` reach the template as they are (`bos_token`, `eos_token`, `enable_thinking`, ...); `now`
