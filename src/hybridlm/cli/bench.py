@@ -23,8 +23,12 @@ from hybridlm.cli.options import MODEL, MODEL_HELP, OUTPUT_FILE, Device
 @click.option("--device", default=None, type=Device(), help="cpu or cuda [default: cuda when present].")
 @click.option("--quick", is_flag=True, help="A smoke run: 1 repeat, 16 new tokens, short contexts.")
 @click.option("--out", type=OUTPUT_FILE, default=None, help="Write the figures as JSON here.")
+@click.option("--real", "real_models", default=None,
+              help="Instead: the real-model bench of these GGUF models (comma-separated registry names or paths), "
+                   "hybridlm on the file's grid beside llama.cpp, each side in its own process (peak RSS too); "
+                   "--repeats rounds, --threads, --new-tokens, --prompt-tokens, --prefill-tokens, --contexts apply.")
 def bench(model_spec, threads, repeats, new_tokens, prompt_tokens, prefill_tokens, contexts, precisions, batch,
-          sections, no_references, device, quick, out):
+          sections, no_references, device, quick, out, real_models):
     """Speed beside the references (transformers, llama.cpp), in one process: a table and JSON."""
     from hybridlm.bench import BenchConfig, run_bench, write_report
     from hybridlm.errors import InputError
@@ -39,6 +43,15 @@ def bench(model_spec, threads, repeats, new_tokens, prompt_tokens, prefill_token
             raise InputError(f"{what} {text!r}: expected integers ≥ 2")
         return values
 
+    if real_models:
+        from hybridlm.bench.real import real_bench
+
+        names = [n.strip() for n in real_models.split(",") if n.strip()]
+        report = real_bench(names, threads=threads, rounds=repeats, new_tokens=new_tokens, prompt_tokens=prompt_tokens,
+                            prefill_tokens=prefill_tokens, contexts=ints(contexts, "contexts"), log=click.echo)
+        if out:
+            write_report(report, out)
+        return
     chosen = tuple(p.strip() for p in precisions.split(",") if p.strip())
     for p in chosen:
         if p not in PRECISIONS:

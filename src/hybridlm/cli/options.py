@@ -263,9 +263,11 @@ def precision_option(default: str):
 
     def add(fn):
         return click.option("--precision", default=default, show_default=True,
-                            type=click.Choice(["auto", "float32", "bfloat16", "int8", "int4"]),
-                            help="float32 (exact), bfloat16, int8, int4 (GGUF's Q4_1 grid), or auto: the grid of the "
-                                 "model's file (int4 for a Q4_0/Q4_1 GGUF such as the default model's, else float32).")(fn)
+                            type=click.Choice(["auto", "float32", "bfloat16", "int8", "int4", "gguf"]),
+                            help="float32 (exact), bfloat16, int8, int4 (GGUF's Q4_1 grid), gguf (every matrix on its "
+                                 "GGUF file's own grid), or auto: the grid of the model's file (int4 for a Q4_0/Q4_1 "
+                                 "GGUF such as the default model's, gguf for other quantised GGUF files such as "
+                                 "Q4_K_M, else float32).")(fn)
 
     return add
 

@@ -199,6 +199,7 @@ class DecoderLM(StateSpaceForm, HookedModule, Recordable):
         self.W_u = None if cfg.tie_embeddings else nn.Parameter(column_major_zeros(cfg.vocab_size, cfg.d_model))
         self.hook_logits = HookPoint()
         self.readout_map = None  # a reduced-precision W_u (hybridlm.lm.quantize); None: exact
+        self.embedding_rows = None  # W_e kept on a GGUF file's grid (hybridlm.lm.blockquant); None: W_e itself
         self.precision = "float32"
         self.tokenizer = None  # set by the loader
         self.source = "config"  # where the weights came from, for reports
@@ -218,7 +219,7 @@ class DecoderLM(StateSpaceForm, HookedModule, Recordable):
         `prefix` ([p, d] or [B, p, d], rows of token-embedding space) is a soft prefix:
         its rows stand before U(s) W_e and take the first p positions, as tokens would.
         """
-        e = self.W_e[ids]
+        e = self.W_e[ids] if self.embedding_rows is None else self.embedding_rows.rows(ids)
         if prefix is not None:
             e = torch.cat([prefix.to(e.dtype).expand(e.shape[0], -1, -1), e], dim=1)
         h = self.hook_embed(e)

@@ -20,6 +20,7 @@ is rebuilt from the GGUF file.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+import gc
 import hashlib
 import json
 import math
@@ -73,7 +74,9 @@ def load_gguf_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
     path = Path(path).expanduser()
     if not path.is_file():
         raise ModelNotFoundError(f"{path}: no such GGUF file")
-    if not tokenizer:
+    if precision == "gguf":
+        model = file_grid_model(path, tokenizer=tokenizer)
+    elif not tokenizer:
         cfg, weights, _ = read_gguf(path, tokenizer=False)
         model = assemble(cfg, weights, None, origin=path.name, precision=precision)
     else:
@@ -88,7 +91,95 @@ def load_gguf_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
                 model = assemble(cfg, weights, tok, origin=path.name, precision=precision)
     model.source = source_name(path)
     model.gguf_path = path  # the file itself, for references that run it (llama.cpp)
-    return model.eval() if model.precision in ("int8", "int4") else model.to(dtype).eval()
+    return model.eval() if model.precision in ("int8", "int4", "gguf") else model.to(dtype).eval()
+
+
+def file_grid_model(path: Path, *, tokenizer: bool = True) -> DecoderLM:
+    """The model of a GGUF file with every matrix kept on the file's own grid, tensor by tensor
+    (`hybridlm.lm.blockquant.file_grid_linear`: Q4_0 … Q8_0 and Q2_K … Q6_K as stored, any other
+    type as a float32 `Linear`): the affine maps of the blocks, the embedding (its rows looked up on
+    the grid) and the readout. Only the norms and biases become float32, so the model holds about
+    the file's size and the float32 cache is not built (its tokenizer is read where it exists)."""
+    from hybridlm.memory import return_freed_memory
+
+    cache = cache_file(file_sha256(path)) if tokenizer else None
+    tok = _cached_tokenizer(cache) if cache is not None else None
+    cfg, weights, read_tok = read_gguf(path, tokenizer=tokenizer and tok is None)
+    model = _on_grid(path, cfg, weights)
+    model.tokenizer = tok or read_tok
+    del weights
+    gc.collect()  # (the header's file mapping: a cycle of its tensors' records holds it)
+    return_freed_memory()
+    return model
+
+
+def _on_grid(path: Path, cfg: ModelConfig, weights: GGUFWeights) -> DecoderLM:
+    from hybridlm.lm.blockquant import BlockQuantLinear, file_grid_linear
+    from hybridlm.lm.positions import Rotary
+
+    def grid(name: str, bias: torch.Tensor | None = None):
+        return file_grid_linear([(_stored(file, t), t.kind, t.shape, rows) for t, rows in weights.segments(name)], bias)
+
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    with path.open("rb") as file:
+        _grid_maps(model, weights, grid)
+        embedding = grid("W_e")
+        readout = embedding if cfg.tie_embeddings else grid("W_u")
+    for name, table in (("W_e", embedding), ("W_u", None if cfg.tie_embeddings else readout)):
+        if isinstance(table, BlockQuantLinear):  # (kept on the grid: W_e's and W_u's rows are read from there)
+            setattr(model, name, torch.nn.Parameter(torch.empty(0, cfg.d_model), requires_grad=False))
+        elif table is not None:
+            setattr(model, name, torch.nn.Parameter(table.weight.detach().contiguous(), requires_grad=False))
+    if isinstance(embedding, BlockQuantLinear):
+        model.embedding_rows = embedding
+    if isinstance(readout, BlockQuantLinear):
+        model.readout_map = readout
+    for full, param in list(model.named_parameters()):
+        if param.is_meta:
+            owner_name, _, name = full.rpartition(".")
+            owner = model.get_submodule(owner_name) if owner_name else model
+            setattr(owner, name, torch.nn.Parameter(weights[full].contiguous(), requires_grad=False))
+    if model.rotary is not None:
+        model.rotary = Rotary(cfg)
+    model.precision = "gguf"
+    return model
+
+
+def _grid_maps(model: DecoderLM, weights: GGUFWeights, grid) -> None:
+    """Every `Linear` of the model's blocks replaced by its map on the file's grid (`grid(name, bias)`)."""
+    from hybridlm.lm.linear import Linear
+
+    for owner_name, owner in list(model.named_modules()):
+        for name, child in list(owner.named_children()):
+            if isinstance(child, Linear):
+                full = f"{owner_name}.{name}" if owner_name else name
+                bias = weights[f"{full}.bias"] if child.bias is not None else None
+                setattr(owner, name, grid(f"{full}.weight", bias))
+
+
+def _stored(file, tensor: TensorInfo) -> torch.Tensor:
+    """A tensor's stored bytes read into the process's own memory ([rows, bytes of a row] uint8): read,
+    not mapped, so the file's pages never count in the process's resident memory beside the copy."""
+    out = torch.empty(tensor.n_bytes, dtype=torch.uint8)
+    file.seek(tensor.data_offset)
+    if file.readinto(memoryview(out.numpy())) != tensor.n_bytes:
+        raise WeightsError(f"{tensor.name}: the file ends inside its {tensor.n_bytes} bytes")
+    return out.view(tensor.shape[0] if len(tensor.shape) > 1 else 1, -1)
+
+
+def _cached_tokenizer(cache: Path) -> Tokenizer | None:
+    """The tokenizer stored in a float32 cache file's header, or None (no such file, or unreadable)."""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(cache, framework="pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("format") != CACHE_FORMAT:
+            return None
+        return tokenizer_from_json(json.loads(meta["tokenizer"]))
+    except Exception:  # (any failure: the vocabulary is read from the GGUF file instead)
+        return None
 
 
 # ====================================================================== reading the file

@@ -31,7 +31,7 @@ GGUF_NAMES = ("smollm2-135m",)
 STACK_FAMILIES = ("ssm", "rnn", "hybrid")  # random-<family>:<size> (hybridlm.ssm)
 
 
-PRECISION_CHOICES = ("float32", "bfloat16", "int8", "int4", "auto")
+PRECISION_CHOICES = ("float32", "bfloat16", "int8", "int4", "gguf", "auto")
 
 
 def load_model(
@@ -45,8 +45,10 @@ def load_model(
     """Return a `DecoderLM` in eval mode, carrying its `config` and `tokenizer`.
 
     dtype defaults to float32 (the exact path) on the CPU and to bfloat16 on a CUDA device.
-    precision (hybridlm.lm.quantize): float32, bfloat16, int8, int4, or auto, the grid the
-    weights were stored on (int4 for a GGUF file of Q4_0/Q4_1 matrices, float32 elsewhere);
+    precision (hybridlm.lm.quantize): float32, bfloat16, int8, int4; gguf, every matrix of a GGUF
+    file on the file's own grid, tensor by tensor (hybridlm.lm.blockquant; float32 on the CPU only);
+    or auto, the grid the weights were stored on (`file_precision`: int4 for a GGUF file of mostly
+    Q4_0/Q4_1 matrices, gguf for one of other block types, float32 elsewhere);
     `model.precision` says which one was loaded.
     """
     if precision is not None and precision not in PRECISION_CHOICES:
@@ -61,7 +63,7 @@ def load_model(
         path = _gguf_file(spec)
         if path is not None:
             direct = file_precision(path) if precision == "auto" else precision
-            direct = direct if direct in ("int8", "int4") else None
+            direct = direct if direct in ("int8", "int4", "gguf") else None
     if direct is not None:
         from hybridlm.weights.gguf import load_gguf_model
 
@@ -71,6 +73,10 @@ def load_model(
     model = model.to(device).eval().requires_grad_(False)
     if precision is not None:
         chosen = native_precision(model) if precision == "auto" else precision
+        if chosen == "gguf" and getattr(model, "precision", None) != "gguf":
+            if precision != "auto":
+                raise InputError(f"precision 'gguf' of {spec!r}: expected a GGUF file loaded on the CPU in float32")
+            chosen = "float32"  # (the file's grid is read on the CPU in float32 only: dequantised elsewhere)
         if chosen != getattr(model, "precision", "float32"):
             from hybridlm.lm.quantize import set_precision
 
@@ -94,8 +100,7 @@ def _gguf_file(spec) -> Path | None:
 
 
 def native_precision(model) -> str:
-    """The grid a model's weights were stored on, as a precision: int4 when most of a GGUF file's
-    matrices are Q4_0/Q4_1 blocks, else float32."""
+    """The grid a model's weights were stored on, as a precision (`file_precision`)."""
     path = getattr(model, "gguf_path", None)
     if path is None or getattr(model, "W_e", None) is None or model.W_e.device.type != "cpu":
         return "float32"
@@ -103,12 +108,18 @@ def native_precision(model) -> str:
 
 
 def file_precision(path) -> str:
-    """int4 for a GGUF file whose matrices are mostly Q4_0/Q4_1 blocks, else float32."""
+    """int4 for a GGUF file whose matrices are mostly Q4_0/Q4_1 blocks (the int4 path's own kernel,
+    SmolLM2's figures); gguf for a file of other block-quantised matrices (a Q4_K_M file's Q4_K,
+    Q5_0, Q6_K, Q8_0: each read on its grid, a type without a kernel as float32); float32 for a file
+    of float matrices."""
+    from hybridlm.lm.blockquant import BLOCKS
     from hybridlm.weights.gguf_header import read_header
 
     kinds = [t.kind.name for t in read_header(path).tensors if len(t.shape) == 2]
     four_bit = sum(k in ("Q4_0", "Q4_1") for k in kinds)
-    return "int4" if kinds and four_bit * 2 > len(kinds) else "float32"
+    if kinds and four_bit * 2 > len(kinds):
+        return "int4"
+    return "gguf" if any(k in BLOCKS for k in kinds) else "float32"
 
 
 def _load(spec, *, seed: int, dtype: torch.dtype) -> DecoderLM:
