@@ -47,6 +47,11 @@ class PrefixResult:
 
 def initial_prefix(model, length: int = 1, token: int | None = None) -> torch.Tensor:
     """P⁰: the embedding row of `token`, or the mean token embedding, repeated `length` times."""
+    if getattr(model, "embedding_rows", None) is not None:  # W_e on the file's grid: no float rows to start from
+        from hybridlm.errors import InputError
+
+        raise InputError(f"a soft prefix needs the float embedding; load the model with precision='float32' "
+                         f"(it runs at {model.precision!r})")
     W = model.W_e.detach()
     row = W.mean(dim=0) if token is None else W[int(token)]
     return row.float().expand(length, -1).clone()
