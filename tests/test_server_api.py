@@ -196,7 +196,7 @@ def test_health_says_loading_until_the_model_is_in(smollm2):
     from hybridlm.server.app import create_app, ready
 
     app = create_app(None)
-    with TestClient(app) as http:
+    with TestClient(app, base_url="http://127.0.0.1") as http:  # (the guard answers its own address only)
         r = http.get("/health")
         assert (r.status_code, r.json()) == (503, {"status": "loading"}) and r.headers["retry-after"] == "1"
         r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
