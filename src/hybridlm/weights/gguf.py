@@ -19,7 +19,7 @@ is rebuilt from the GGUF file.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 import hashlib
 import json
 import math
@@ -38,12 +38,13 @@ from hybridlm.errors import ModelNotFoundError, WeightsError
 from hybridlm.lm.model import DecoderLM
 from hybridlm.weights.checks import Weights, assemble
 from hybridlm.weights.families import MappedWeights, Source, gguf_config, gguf_family, plan
-from hybridlm.weights.gguf_header import Header, TensorInfo, meta_value, read_header
+from hybridlm.weights.gguf_header import Header, TensorInfo, read_header
 from hybridlm.tokenizer import Tokenizer
 from hybridlm.weights.vocab import tokenizer_from_json, tokenizer_from_metadata, tokenizer_to_json
 # the embedded file is located in registry; these names stay importable from here
 from hybridlm.weights.tensorfile import LazyWeights
-from hybridlm.weights.registry import SMOLLM2_MODULE, SMOLLM2_PACKAGE, smollm2_path
+from hybridlm.weights.registry import SMOLLM2_MODULE, SMOLLM2_PACKAGE
+from hybridlm.weights.registry import smollm2_path as smollm2_path
 
 
 
@@ -73,6 +74,7 @@ def load_gguf_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
     path = Path(path).expanduser()
     if not path.is_file():
         raise ModelNotFoundError(f"{path}: no such GGUF file")
+    model: DecoderLM | None
     if not tokenizer:
         cfg, weights, _ = read_gguf(path, tokenizer=False)
         model = assemble(cfg, weights, None, origin=path.name, precision=precision)
@@ -117,7 +119,9 @@ def config_from_metadata(meta: dict[str, Any], tensors: Header | Iterable[str], 
     if isinstance(tensors, Header):
         infos = {t.name: t for t in tensors.tensors}
         shapes = {name: t.shape for name, t in infos.items()}
-        read = lambda name: torch.from_numpy(dequantize(infos[name]))
+
+        def read(name: str) -> torch.Tensor:
+            return torch.from_numpy(dequantize(infos[name]))
     else:
         shapes = {name: () for name in tensors}
 
@@ -218,7 +222,7 @@ def load_cached(file: Path, *, precision: str = "float32") -> DecoderLM | None:
         tokenizer = tokenizer_from_json(json.loads(meta["tokenizer"]))
         with LazyWeights(file) as weights:
             return assemble(cfg, weights, tokenizer, origin=file.name, precision=precision)
-    except Exception as exc:  # any failure means: rebuild from the GGUF file
+    except Exception as exc:  # noqa: BLE001 - any failure means: rebuild from the GGUF file
         reason = f"{type(exc).__name__}: {exc}"
         warnings.warn(f"hybridlm: cache file {file} is unreadable ({reason}); rebuilding it", stacklevel=3)
         return None
