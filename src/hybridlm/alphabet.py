@@ -35,9 +35,9 @@ def check_tokens(s: Tokens, V: int) -> torch.Tensor:
     if not isinstance(s, torch.Tensor):
         s = list(s)
         # Python integers first: one past the int64 range would make torch raise its own overflow error
-        bad = next((i for i in s if isinstance(i, int) and not 0 <= i < V), None)
-        if bad is not None:
-            raise InputError(f"token id {bad} is outside the alphabet: expected 0 ≤ id < V = {V}")
+        outside = next((i for i in s if isinstance(i, int) and not 0 <= i < V), None)
+        if outside is not None:
+            raise InputError(f"token id {outside} is outside the alphabet: expected 0 ≤ id < V = {V}")
     ids = torch.as_tensor(s, dtype=torch.long)
     if ids.numel() == 0 or ids.shape[-1] == 0:
         raise InputError("empty prompt: the context s must hold at least one token")

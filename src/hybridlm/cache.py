@@ -24,7 +24,7 @@ def read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     """Let `write` fill a temporary file beside `path`, then rename it over `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

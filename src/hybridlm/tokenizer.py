@@ -191,9 +191,9 @@ class Tokenizer:
         `add_bos` and `ids` lacks it (a chat template that writes `{{ bos_token }}` has put it there),
         EOS last where `add_eos`."""
         ids = list(ids)
-        if self.add_bos and ids[:1] != [self.bos_id]:
+        if self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)
-        return ids + [self.eos_id] if self.add_eos else ids
+        return ids + [self.eos_id] if self.add_eos and self.eos_id is not None else ids
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special)
@@ -365,7 +365,8 @@ def gpt2_tokenizer(encoder_json: Path | None = None, vocab_bpe: Path | None = No
         encoder_json, vocab_bpe = gpt2_files()
     vocab = json.loads(Path(encoder_json).read_text(encoding="utf-8"))
     lines = Path(vocab_bpe).read_text(encoding="utf-8").splitlines()
-    merges = [tuple(line.split(" ")) for line in lines if line and not line.startswith("#version")]
+    merges = [(left, right) for left, right in (line.split(" ") for line in lines
+                                                 if line and not line.startswith("#version"))]
     backend = byte_level_bpe(vocab, merges, ["<|endoftext|>"])
     eos = vocab["<|endoftext|>"]
     return Tokenizer(backend, eos_id=eos, bos_id=eos, name="gpt2")

@@ -115,6 +115,8 @@ class BlockQuantLinear(DirectModule):
     `splits` name each segment's ggml type and number of rows.
     """
 
+    bias: torch.Tensor | None
+
     def __init__(self, segments: Sequence, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         parts = [Rows(*s) for s in segments]

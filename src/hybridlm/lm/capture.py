@@ -20,11 +20,13 @@ recorder was attached, and the positions of its rows are recorded beside it
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 import json
 import numbers
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -78,7 +80,7 @@ class Recorder:
         self._buffer_bytes = 0
         self._fired: dict[str, int] = {}
         self._last_pos: tuple | None = None
-        self._ctx = None
+        self._ctx: AbstractContextManager | None = None
         self._seq = None
 
     # ------------------------------------------------------------------ hooks
@@ -99,6 +101,7 @@ class Recorder:
         if self.last:
             x, pos_record = x.select(dim, -1), None if pos is None else _own_copy(pos[-1:])
         elif self.positions is not None:
+            assert pos is not None  # (a model's forward sets the positions before its hook points fire)
             sel = torch.isin(pos, self.positions.to(pos.device)).nonzero().flatten()
             if sel.numel() == 0:
                 return
@@ -132,6 +135,7 @@ class Recorder:
         return self
 
     def __exit__(self, *exc) -> None:
+        assert self._ctx is not None  # (entered)
         self._ctx.__exit__(*exc)
         self.close()
 
@@ -304,6 +308,9 @@ class ActivationCache(dict):
 
 class Recordable:
     """`run_with_cache`, for a model with hook points."""
+
+    if TYPE_CHECKING:  # the model's own
+        def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 
     def run_with_cache(self, *args, names: str | list[str] | Callable[[str], bool] = lambda n: True, **kwargs
                        ) -> tuple[torch.Tensor, ActivationCache]:

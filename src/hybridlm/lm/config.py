@@ -60,8 +60,9 @@ class ModelConfig:
     d_model: int = 768
     n_layer: int = 12
     n_head: int = 12
-    n_kv_head: int | None = None
-    d_mlp: int | None = None
+    # None: N_h and 4·d; __post_init__ sets them, so a built config always holds integers
+    n_kv_head: int = None  # type: ignore[assignment]  # filled in by __post_init__
+    d_mlp: int = None  # type: ignore[assignment]  # filled in by __post_init__
     head_dim: int | None = None  # d_k; None: d / N_h
     norm: str = "layernorm"
     norm_eps: float = 1e-5

@@ -25,6 +25,7 @@ class _MemberTable(dict):
     """
 
     __slots__ = ("owner",)
+    owner: nn.Module
     edits = 0  # changes to any table so far (what the compiled blocks built from may have been replaced)
 
     def __setitem__(self, name, value):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, TypeVar
 
 import torch
 from torch import nn
@@ -26,16 +26,17 @@ from torch import nn
 from hybridlm.errors import InputError
 
 HookFn = Callable[[torch.Tensor, "HookPoint"], Optional[torch.Tensor]]
+_Hook = TypeVar("_Hook", bound=Callable[..., object])  # a hook, or a method that becomes one
 
 
-def observing(fn: HookFn) -> HookFn:
+def observing(fn: _Hook) -> _Hook:
     """Mark a hook as one that only looks: it returns None and changes nothing the model reads.
     Where only such hooks watch a block in a token step, the compiled blocks run whole and hand
     them the states afterwards, in the order and shapes the hook points would have, with the
     same bits and `hook.ctx` (hybridlm.lm.step); an unmarked hook sends the block through its
     sublayers or parts, since it may replace the state. (A marked hook that returned a tensor
     would find it ignored there.)"""
-    fn.observes = True
+    fn.__dict__["observes"] = True  # (a function's attribute; mypy types none on callables)
     return fn
 
 

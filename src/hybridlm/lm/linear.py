@@ -35,7 +35,8 @@ from torch import nn
 
 from hybridlm.lm import kernels
 from hybridlm.lm.direct import DirectModule
-from hybridlm.lm.kernels import BLOCK_COLUMNS, STEP_ROWS
+from hybridlm.lm.kernels import BLOCK_COLUMNS
+from hybridlm.lm.kernels import STEP_ROWS as STEP_ROWS  # the rows of one step's product, read by its callers
 
 
 def column_major_zeros(rows: int, cols: int, **kwargs) -> torch.Tensor:

@@ -19,13 +19,16 @@ the logits z of the last position.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 import math
 import numbers
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
-from hybridlm.alphabet import check_tokens, selection_P, selection_U, truncate
+from hybridlm.alphabet import check_tokens, selection_P, selection_U
 from hybridlm.lm.attention import Attention
 from hybridlm.lm.config import ModelConfig
 from hybridlm.errors import InputError
@@ -38,6 +41,10 @@ from hybridlm.lm.norm import LayerNorm, RMSNorm, make_norm
 from hybridlm.lm.positions import LearnedPositions, Rotary
 from hybridlm.lm.state import ForkedState, KVState, StateBatch
 from hybridlm.lm.step import run_blocks, token_step
+
+if TYPE_CHECKING:
+    from hybridlm.lm.blockquant import BlockQuantLinear
+    from hybridlm.tokenizer import Tokenizer
 
 
 class Block(DirectModule):
@@ -81,6 +88,15 @@ class Block(DirectModule):
         return m if self.ln2_post is None else self.ln2_post(m)
 
 
+class _Horizon(Protocol):
+    """What the state-space form reads of a family's config."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def n_ctx(self) -> int: ...
+
+
 class StateSpaceForm:
     """The state-space form of a language model (docs/theory.md §3): x_0 = init_state(s),
     x_{t+1} = F(x_t, w_{t+1}), z_t = G(x_t).
@@ -89,6 +105,12 @@ class StateSpaceForm:
     continues a state in place, and `empty_state(batch, capacity=...)`, which makes its
     kind of state (`KVState` for attention, `ssm.SSMState` for recurrences).
     """
+
+    config: _Horizon
+    W_e: torch.Tensor
+    if TYPE_CHECKING:  # a family's own, and nn.Module's
+        def empty_state(self, batch: int = 1, *, capacity: int = 64) -> Any: ...
+        def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
 
     def init_state(self, s, *, capacity: int | None = None):
         """x_0: the state after prefilling the string(s) s ([n] or [B, n]); Π_T applied."""
@@ -184,6 +206,8 @@ def _one_each(states: list, w) -> list[int]:
 class DecoderLM(StateSpaceForm, HookedModule, Recordable):
     """A decoder-only language model: logits = model(ids) for ids of shape [B, n]."""
 
+    config: ModelConfig
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -198,12 +222,12 @@ class DecoderLM(StateSpaceForm, HookedModule, Recordable):
         self.ln_final = make_norm(cfg)
         self.W_u = None if cfg.tie_embeddings else nn.Parameter(column_major_zeros(cfg.vocab_size, cfg.d_model))
         self.hook_logits = HookPoint()
-        self.readout_map = None  # a reduced-precision W_u (hybridlm.lm.quantize); None: exact
-        self.embedding_rows = None  # W_e kept on a GGUF file's grid (hybridlm.lm.blockquant); None: W_e itself
+        self.readout_map: nn.Module | None = None  # a reduced-precision W_u (hybridlm.lm.quantize); None: exact
+        self.embedding_rows: BlockQuantLinear | None = None  # W_e on a GGUF file's grid; None: W_e itself
         self.precision = "float32"
-        self.tokenizer = None  # set by the loader
+        self.tokenizer: Tokenizer | None = None  # set by the loader
         self.source = "config"  # where the weights came from, for reports
-        self.gguf_path = None  # the GGUF file the weights were read from, if any
+        self.gguf_path: Path | None = None  # the GGUF file the weights were read from, if any
         self.setup_hooks()
 
     # ------------------------------------------------------------------ pieces

@@ -44,10 +44,15 @@ class Rotary(DirectModule):
     gathered once and reused.
     """
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, *, local: bool = False) -> None:
         super().__init__()
         d_k = cfg.d_head
-        base, factors = (cfg.rope_local_theta, None) if local else (cfg.rope_theta, cfg.rope_freq_factors)
+        base, factors = cfg.rope_theta, cfg.rope_freq_factors
+        if local and cfg.rope_local_theta is not None:
+            base, factors = cfg.rope_local_theta, None
         inv_freq = 1.0 / (base ** (torch.arange(0, d_k, 2, dtype=torch.float32) / d_k))
         if factors is not None:
             inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)

@@ -39,6 +39,10 @@ _MATMUL_DTYPE = torch.bfloat16  # what PyTorch's quantised kernels read x as (th
 class Int8Linear(DirectModule):
     """x ↦ (x Qᵀ) ⊙ s + b, Q int8 [out, in] with one scale per output channel s [out]."""
 
+    Q: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         w = weight.detach().float().contiguous()
@@ -83,6 +87,12 @@ class Int4Linear(DirectModule):
 
     group = 32
     rows_at_once = 4096
+    packed: torch.Tensor
+    d_bits: torch.Tensor
+    m_bits: torch.Tensor
+    bias: torch.Tensor | None
+    aten_packed: torch.Tensor | None
+    scales_and_zeros: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()

@@ -70,8 +70,9 @@ class TokenStep:
             cfg = self.table.config
             own = h.new_empty(count, 2, h.shape[0], cfg.n_kv_head, cfg.d_head)
         self.kernel.blocks(address, count, self.table.sizes, h, self.rows, self.cos, self.sin, taps, inner, own)
-        for i in range(count if own is not None else 0):
-            self.fork.write(first + i, own[i, 0], own[i, 1])
+        if self.fork is not None and own is not None:
+            for i in range(count):
+                self.fork.write(first + i, own[i, 0], own[i, 1])
 
 
 def token_step(model, h: torch.Tensor, state, rotary) -> TokenStep | None:
@@ -123,12 +124,14 @@ def run_blocks(blocks, h: torch.Tensor, pos: torch.Tensor, state, rotary, step: 
         if j > i and _consecutive(blocks, i, j):
             if not owned:  # (the run advances h in place: never a tensor a hook may have kept)
                 h, owned = h.contiguous().clone(), True
-            layout = tap_layout(step.table.config, [int(n) for n in step.rows[2]]) if watched else None
-            taps = h.new_empty((j - i) * layout[-1]) if watched else None
-            step.run(blocks[i].layer, j - i, h, taps, inner=watched == 2)
             if watched:
+                layout = tap_layout(step.table.config, [int(n) for n in step.rows[2]])
+                taps = h.new_empty((j - i) * layout[-1])
+                step.run(blocks[i].layer, j - i, h, taps, inner=watched == 2)
                 for block, tap in zip(blocks[i:j], taps.view(j - i, -1)):
                     _replay(block, tap, layout, watched == 2, pos, isinstance(state, StateBatch))
+            else:
+                step.run(blocks[i].layer, j - i, h)
             i = j
         else:
             h, owned = blocks[i](h, pos, state, rotary, None if step.fork is not None else step), False
@@ -166,7 +169,10 @@ def _replay(block, tap: torch.Tensor, layout: list[int], inner: bool, pos: torch
     part = dict(zip(_TAPS, (tap[a:b] for a, b in zip(layout, layout[1:]))))
     D = block.ln1.weight.shape[0]
     R = part["resid_pre"].numel() // D
-    rows = lambda name, *shape: part[name].view(R, 1, *shape)
+
+    def rows(name: str, *shape: int) -> torch.Tensor:
+        return part[name].view(R, 1, *shape)
+
     block.hook_resid_pre(rows("resid_pre", D))
     if inner:
         block.ln1.hook_normalized(rows("xhat1", D))
@@ -272,7 +278,7 @@ class SpecTable:
         if built is None or not self._still(built, block):
             parts = _parts(block)
             made = None if parts is None else _build(parts)
-            if made is None:
+            if parts is None or made is None:
                 self.built[layer] = None
                 return None
             tensors = _tensors(parts)

@@ -81,6 +81,8 @@ class RecurrentBlock(DirectModule):
 class StackLM(StateSpaceForm, HookedModule, Recordable):
     """A language model whose blocks are selective SSMs, RNNs and/or attention: logits = model(ids)."""
 
+    config: StackConfig
+
     def __init__(self, cfg: StackConfig) -> None:
         super().__init__()
         self.config = cfg

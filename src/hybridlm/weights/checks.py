@@ -9,6 +9,8 @@ file, and the expected shapes come from a skeleton of the model on PyTorch's "me
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from hybridlm.errors import WeightsError
@@ -16,7 +18,7 @@ from hybridlm.lm.config import ModelConfig
 from hybridlm.lm.model import DecoderLM
 from hybridlm.tokenizer import Tokenizer
 
-Weights = dict[str, torch.Tensor]  # a state dict of `DecoderLM` (or a Mapping that reads each tensor when asked)
+Weights = Mapping[str, torch.Tensor]  # a state dict of `DecoderLM`, or a Mapping that reads each tensor when asked
 
 
 def _shape(weights, name: str) -> tuple[int, ...]:

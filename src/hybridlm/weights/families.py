@@ -402,6 +402,8 @@ def gguf_config(family: Family, meta: dict, tensors: Mapping[str, Any], *, origi
     """`ModelConfig` of a GGUF file of `family` from its `{arch}.*` keys (each type-checked) and the
     shapes of its tensors (`tensors`: name → shape); `read(name)` gives a small tensor the config
     needs (the rotary factors)."""
+    if family.gguf_arch is None:
+        raise WeightsError(f"{origin}: the {family.name} family is not read from GGUF files")
     m = _Meta(meta, family.gguf_arch, origin)
     d_model, n_head = m.get("embedding_length"), m.get("attention.head_count")
     head_dim = m.get("attention.key_length", default=None)
@@ -526,7 +528,7 @@ def plan(family: Family, cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]]
     out: dict[str, Source] = {}
     for name, param in skeleton.state_dict().items():
         if name in GLOBAL:
-            parts = (GLOBAL[name][which],)
+            parts: tuple[str, ...] = (GLOBAL[name][which],)
             if not gguf:
                 parts = (parts[0].replace("model.", prefix, 1) if parts[0].startswith("model.") else parts[0],)
             splits = [param.shape[0]]
@@ -536,7 +538,7 @@ def plan(family: Family, cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]]
             stems = family.block[path][which]
             parts = tuple(f"{block.format(layer)}{stem}.{suffix}" for stem in stems)
             splits = _row_splits(cfg, path, len(stems), param.shape[0])
-        rows = [None] * len(parts)
+        rows: list[torch.Tensor | None] = [None] * len(parts)
         for i, (part, n) in enumerate(zip(parts, splits)):
             expected = (n, *param.shape[1:])
             if part not in shapes:

@@ -19,7 +19,7 @@ is rebuilt from the GGUF file.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 import gc
 import hashlib
 import json
@@ -39,12 +39,13 @@ from hybridlm.errors import ModelNotFoundError, WeightsError
 from hybridlm.lm.model import DecoderLM
 from hybridlm.weights.checks import Weights, assemble
 from hybridlm.weights.families import MappedWeights, Source, gguf_config, gguf_family, plan
-from hybridlm.weights.gguf_header import Header, TensorInfo, meta_value, read_header
+from hybridlm.weights.gguf_header import Header, TensorInfo, read_header
 from hybridlm.tokenizer import Tokenizer
 from hybridlm.weights.vocab import tokenizer_from_json, tokenizer_from_metadata, tokenizer_to_json
 # the embedded file is located in registry; these names stay importable from here
 from hybridlm.weights.tensorfile import LazyWeights
-from hybridlm.weights.registry import SMOLLM2_MODULE, SMOLLM2_PACKAGE, smollm2_path
+from hybridlm.weights.registry import SMOLLM2_MODULE, SMOLLM2_PACKAGE
+from hybridlm.weights.registry import smollm2_path as smollm2_path
 
 
 
@@ -74,6 +75,7 @@ def load_gguf_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
     path = Path(path).expanduser()
     if not path.is_file():
         raise ModelNotFoundError(f"{path}: no such GGUF file")
+    model: DecoderLM | None
     if precision == "gguf":
         model = file_grid_model(path, tokenizer=tokenizer)
     elif not tokenizer:
@@ -163,7 +165,7 @@ def _stored(file, tensor: TensorInfo) -> torch.Tensor:
     not mapped, so the file's pages never count in the process's resident memory beside the copy."""
     out = torch.empty(tensor.n_bytes, dtype=torch.uint8)
     file.seek(tensor.data_offset)
-    if file.readinto(memoryview(out.numpy())) != tensor.n_bytes:
+    if file.readinto(out.numpy().data) != tensor.n_bytes:
         raise WeightsError(f"{tensor.name}: the file ends inside its {tensor.n_bytes} bytes")
     return out.view(tensor.shape[0] if len(tensor.shape) > 1 else 1, -1)
 
@@ -178,7 +180,7 @@ def _cached_tokenizer(cache: Path) -> Tokenizer | None:
         if meta.get("format") != CACHE_FORMAT:
             return None
         return tokenizer_from_json(json.loads(meta["tokenizer"]))
-    except Exception:  # (any failure: the vocabulary is read from the GGUF file instead)
+    except Exception:  # noqa: BLE001 - any failure of the cache: the vocabulary is read from the GGUF file instead
         return None
 
 
@@ -208,7 +210,9 @@ def config_from_metadata(meta: dict[str, Any], tensors: Header | Iterable[str], 
     if isinstance(tensors, Header):
         infos = {t.name: t for t in tensors.tensors}
         shapes = {name: t.shape for name, t in infos.items()}
-        read = lambda name: torch.from_numpy(dequantize(infos[name]))
+
+        def read(name: str) -> torch.Tensor:
+            return torch.from_numpy(dequantize(infos[name]))
     else:
         shapes = {name: () for name in tensors}
 
@@ -309,7 +313,7 @@ def load_cached(file: Path, *, precision: str = "float32") -> DecoderLM | None:
         tokenizer = tokenizer_from_json(json.loads(meta["tokenizer"]))
         with LazyWeights(file) as weights:
             return assemble(cfg, weights, tokenizer, origin=file.name, precision=precision)
-    except Exception as exc:  # any failure means: rebuild from the GGUF file
+    except Exception as exc:  # noqa: BLE001 - any failure means: rebuild from the GGUF file
         reason = f"{type(exc).__name__}: {exc}"
         warnings.warn(f"hybridlm: cache file {file} is unreadable ({reason}); rebuilding it", stacklevel=3)
         return None

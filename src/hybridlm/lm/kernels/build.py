@@ -97,7 +97,7 @@ def _build(compiler: str, flags: list[str], extra: dict, runtime: Path | None, s
                         for src, obj in zip(sources, objects)]
             running = [(cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
                        for cmd in compiles]  # side by side: the sources compile independently
-            failed = [why for why in (_finished(cmd, proc) for cmd, proc in running) if why]  # (all waited for)
+            failed: list[str | None] = [why for why in (_finished(cmd, proc) for cmd, proc in running) if why]  # (all waited for)
             link_cmd = [compiler, "-shared", *map(str, objects), "-o", str(lib), *link, "-lm"]
             failed = failed or [_finished(link_cmd, subprocess.Popen(link_cmd, stdout=subprocess.DEVNULL,
                                                                      stderr=subprocess.PIPE, text=True))]
