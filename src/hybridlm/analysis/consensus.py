@@ -45,6 +45,8 @@ def block_step(model: DecoderLM, block: Block, h: torch.Tensor, pos: torch.Tenso
     """One layer-step: the full block (0.39)–(0.40), or its attention sublayer alone (0.41)."""
     if not attention_only:
         return block(h, pos, None, model.rotary)
+    if hasattr(block, "attention_only_step"):  # the post-norm sphere block: n(z + A(Z)) (0.41)
+        return block.attention_only_step(h, pos, model.rotary)
     if hasattr(block, "mixer_step"):  # a recurrent block of hybridlm.ssm: its mixer sublayer alone
         return block.mixer_step(h, pos)
     h = block.hook_resid_pre(h)

@@ -43,10 +43,15 @@ class ConsensusConfig:
     prompt_len: int = 64
     passes: int = 20
     seed: int = 0
+    block: str = "pre-norm"  # or "sphere": the post-norm sphere block (hybridlm.lm.sphere_block)
 
     def __post_init__(self) -> None:
+        from hybridlm.lm.sphere_block import BLOCKS
+
         if self.weights not in WEIGHTS:
             raise InputError(f"--weights {self.weights!r}: expected one of {WEIGHTS}")
+        if self.block not in BLOCKS:
+            raise InputError(f"--block {self.block!r}: expected one of {', '.join(BLOCKS)}")
         for name in ("prompts", "prompt_len", "passes"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name}={getattr(self, name)}: expected ≥ 1")
@@ -54,19 +59,21 @@ class ConsensusConfig:
     def same_run(self, other: dict) -> bool:
         """Whether a saved configuration (a dict) is this run, up to the number of passes."""
         mine = {k: v for k, v in asdict(self).items() if k != "passes"}
+        other = {"block": "pre-norm", **other}  # (a run saved before blocks were selectable)
         return {k: v for k, v in other.items() if k != "passes"} == mine
 
 
 def prepare_model(cfg: ConsensusConfig, device: str):
     """The run's model: loaded, and re-drawn at random when the weights are not pretrained."""
     from hybridlm.analysis.consensus import reinit
+    from hybridlm.lm.sphere_block import select_block
     from hybridlm.weights.loading import load_model
 
     model = load_model(cfg.model, device=device)
     check_horizon(model, cfg)
     if cfg.weights != "pretrained":
         reinit(model, cfg.seed)
-    return model
+    return select_block(model, cfg.block)
 
 
 def check_horizon(model, cfg: ConsensusConfig) -> None:

@@ -14,6 +14,10 @@ every reference):
 - batch: aggregate tokens/s of B independent sequences (`engine.generate_batch`) vs B = 1;
 - agreement: teacher-forced greedy agreement of each reduced-precision path with the
   exact one over a text of `agreement_tokens` tokens;
+- rates: the hybrid arc's rates table of one greedy generation (`HybridArc.rates`: token steps/s,
+  layer steps/s, prefill vs decode, jumps per token step, wall seconds per q_E visit);
+- layers (`--per-layer`): wall time of each block in the prefill and per decode step
+  (`hybridlm.bench.layers`);
 - memory: resident memory added by loading each contender, the process peak, and the
   bytes of the KV state at the largest context.
 
@@ -39,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from hybridlm.bench.layers import arc_rates
 
 TEXT = (
     "The river valley was settled by farmers who came from the hills in the spring. They cleared the "
@@ -253,7 +259,8 @@ class BenchConfig:
     hook_steps: int = 4
     hook_prefill_rounds: int = 12
     references: bool = True
-    sections: tuple[str, ...] = ("decode", "prefill", "latency", "hooks", "batch", "agreement")
+    sections: tuple[str, ...] = ("decode", "prefill", "latency", "hooks", "batch", "agreement", "rates")
+    all_sections = (*sections, "layers")
     device: str | None = None
 
 
@@ -345,6 +352,18 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
         for p, a in report["agreement"].items():
             log(f"  agreement {p} vs float32 over {a['positions']} teacher-forced positions: "
                 f"{a['agreement'] * 100:.1f}%  (max |Δz| {a['max_abs_logit_diff']:.3g})")
+    if "rates" in cfg.sections:
+        from hybridlm.engine.arc import format_rates
+
+        report["rates"] = arc_rates(exact, prompt, cfg.new_tokens)
+        log(f"[rates] {format_rates(report['rates'])}")
+    if "layers" in cfg.sections:
+        from hybridlm.bench.layers import format_layer_times, layer_times
+
+        report["layers"] = layer_times(exact, prefill_ids, cfg.new_tokens)
+        log("[layers] wall time per block, hybridlm (float32)")
+        for line in format_layer_times(report["layers"]):
+            log(line)
     big = text_ids[: max(cfg.contexts)]
     report["memory"] = {
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),

@@ -18,7 +18,9 @@ from hybridlm.cli.options import MODEL, MODEL_HELP, OUTPUT_FILE, Device
 @click.option("--precisions", default="bfloat16,int8,int4", show_default=True,
               help="Reduced-precision paths to run beside float32 (comma-separated; '' for none).")
 @click.option("--batch", default=8, show_default=True, type=click.IntRange(min=1), help="Batched generation: B.")
-@click.option("--sections", default="decode,prefill,latency,hooks,batch,agreement", show_default=True)
+@click.option("--sections", default="decode,prefill,latency,hooks,batch,agreement,rates", show_default=True,
+              help="Which figures (also: layers, wall time per block).")
+@click.option("--per-layer", is_flag=True, help="Add the wall time of each block, prefill and per decode step.")
 @click.option("--no-references", is_flag=True, help="Skip transformers and llama.cpp.")
 @click.option("--device", default=None, type=Device(), help="cpu or cuda [default: cuda when present].")
 @click.option("--quick", is_flag=True, help="A smoke run: 1 repeat, 16 new tokens, short contexts.")
@@ -28,7 +30,7 @@ from hybridlm.cli.options import MODEL, MODEL_HELP, OUTPUT_FILE, Device
                    "hybridlm on the file's grid beside llama.cpp, each side in its own process (peak RSS too); "
                    "--repeats rounds, --threads, --new-tokens, --prompt-tokens, --prefill-tokens, --contexts apply.")
 def bench(model_spec, threads, repeats, new_tokens, prompt_tokens, prefill_tokens, contexts, precisions, batch,
-          sections, no_references, device, quick, out, real_models):
+          sections, per_layer, no_references, device, quick, out, real_models):
     """Speed beside the references (transformers, llama.cpp), in one process: a table and JSON."""
     from hybridlm.bench import BenchConfig, run_bench, write_report
     from hybridlm.errors import InputError
@@ -56,8 +58,8 @@ def bench(model_spec, threads, repeats, new_tokens, prompt_tokens, prefill_token
     for p in chosen:
         if p not in PRECISIONS:
             raise InputError(f"precision {p!r}: expected one of {', '.join(PRECISIONS)}")
-    known = BenchConfig.sections
-    wanted = tuple(s.strip() for s in sections.split(",") if s.strip())
+    known = BenchConfig.all_sections
+    wanted = tuple(s.strip() for s in sections.split(",") if s.strip()) + (("layers",) if per_layer else ())
     for s in wanted:
         if s not in known:
             raise InputError(f"section {s!r}: expected some of {', '.join(known)}")

@@ -12,6 +12,8 @@ from hybridlm.cli.options import MODEL, MODEL_HELP, OUTPUT_FOLDER, SEED, TEXT, D
 @click.option("--weights", type=click.Choice(["pretrained", "random-fixed", "random-redrawn"]), default="pretrained",
               show_default=True, help="Pretrained, random and fixed across passes, or redrawn every pass.")
 @click.option("--attention-only", is_flag=True, help="Remove the MLP sublayer (eq. 0.41).")
+@click.option("--block", type=click.Choice(["pre-norm", "sphere"]), default="pre-norm", show_default=True,
+              help="The blocks as loaded, or the post-norm sphere block of eqs. 0.39-0.41.")
 @click.option("--prompts", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--prompt-len", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--passes", default=20, show_default=True, type=click.IntRange(min=1))
@@ -24,7 +26,7 @@ from hybridlm.cli.options import MODEL, MODEL_HELP, OUTPUT_FOLDER, SEED, TEXT, D
 @click.option("--shard-prompts", type=click.IntRange(min=1), default=None,
               help="With Ray: prompts per shard (a Ray task) [default: 8]; the numbers do not depend on it.")
 @ray_options
-def consensus(model_spec, weights, attention_only, prompts, prompt_len, passes, seed, device, out, sentence,
+def consensus(model_spec, weights, attention_only, block, prompts, prompt_len, passes, seed, device, out, sentence,
               shard_prompts, use_ray, ray_address):
     """Loop the blocks and measure consensus E(k) (survey eq. 0.45, Figs. 6–9, Table 1)."""
     from hybridlm.analysis.runner import ConsensusConfig, run_consensus
@@ -46,7 +48,9 @@ def consensus(model_spec, weights, attention_only, prompts, prompt_len, passes, 
 
         if not sentence.strip():
             raise InputError("--table1 needs a sentence")
-        model = load_model(model_spec, device=device)
+        from hybridlm.lm.sphere_block import select_block
+
+        model = select_block(load_model(model_spec, device=device), block)
         for row in table1(model, sentence, attention_only=attention_only):
             click.echo(f"{row['passes']:>3} passes  E={row['E']:.4f}  majority {row['majority_token']!r} "
                        f"{row['majority_share']:.0%}  │ {row['text']!r}")
@@ -56,7 +60,7 @@ def consensus(model_spec, weights, attention_only, prompts, prompt_len, passes, 
     from hybridlm.weights.loading import DEFAULT_MODEL
 
     cfg = ConsensusConfig(model=model_spec or DEFAULT_MODEL, weights=weights, attention_only=attention_only,
-                          prompts=prompts, prompt_len=prompt_len, passes=passes, seed=seed)
+                          prompts=prompts, prompt_len=prompt_len, passes=passes, seed=seed, block=block)
     if on_ray:
         from hybridlm.distributed import open_pool, run_consensus_sharded
 

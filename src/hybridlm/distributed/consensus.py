@@ -39,7 +39,7 @@ def shard_task(cfg: ConsensusConfig, start: int, stop: int, h: torch.Tensor | No
     of the same model, weights mode and seed."""
     t0 = time.perf_counter()
     seed = None if cfg.weights == "pretrained" else cfg.seed
-    model = cached(("consensus", cfg.model, cfg.weights, seed, device), lambda: prepare_model(cfg, device))
+    model = cached(("consensus", cfg.model, cfg.weights, seed, device, cfg.block), lambda: prepare_model(cfg, device))
     t1 = time.perf_counter()
     result = consensus_shard(cfg, model, start, stop, h=h, start_pass=start_pass)
     result.ran = {"node": _node_id(), "pid": os.getpid(), "load_s": round(t1 - t0, 4),

@@ -38,7 +38,7 @@ from hybridlm.errors import InputError
 from hybridlm.files import read_text
 
 FIELDS = {"model": str, "weights": str, "attention_only": bool, "prompts": int, "prompt_len": int, "passes": int,
-          "seed": int}
+          "seed": int, "block": str}
 TOP = ("kind", "shard_prompts", "base", "figures", "grid", "scales")
 DEFAULT_SCALE = "survey"
 
@@ -163,7 +163,8 @@ def run_name(cfg: ConsensusConfig) -> str:
     if "/" in cfg.model or "\\" in cfg.model:  # a path: its last part and a digest of the whole
         model = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(cfg.model).name) + "-" + hashlib.sha1(cfg.model.encode()).hexdigest()[:8]
     variant = "attn" if cfg.attention_only else "full"
-    return f"{model}__{cfg.weights}__{variant}__{cfg.prompts}x{cfg.prompt_len}__{cfg.passes}p__seed{cfg.seed}"
+    block = "" if cfg.block == "pre-norm" else f"__{cfg.block}"
+    return f"{model}__{cfg.weights}__{variant}{block}__{cfg.prompts}x{cfg.prompt_len}__{cfg.passes}p__seed{cfg.seed}"
 
 
 def run_sweep(sweep: Sweep, out: str | Path, pool, *, on_run=None, on_shard=None) -> dict:
@@ -224,5 +225,5 @@ def _labels(runs: list[SweepRun]) -> dict[str, str]:
     varying = [k for k in FIELDS if k != "model" and len({getattr(r.config, k) for r in runs}) > 1]
     show = {"attention_only": lambda v: "attention only" if v else "full model", "seed": lambda v: f"seed {v}",
             "prompts": lambda v: f"{v} prompts", "prompt_len": lambda v: f"{v} tokens", "passes": lambda v: f"{v} passes",
-            "weights": str}
+            "weights": str, "block": lambda v: f"{v} block"}
     return {r.name: " · ".join([r.config.model, *(show[k](getattr(r.config, k)) for k in varying)]) for r in runs}

@@ -9,6 +9,11 @@ and its "local" blocks use a banded mask of width w (`local_window`): M(i, j) = 
 i − w < j ≤ i, −∞ otherwise. Where every key lies inside the band (n ≤ w) the band is the
 plain causal mask, so the local mask is applied only when it cuts something.
 
+`hook_result` sees each head's own write into the residual stream, O^m W_O^m, [B, pos, head, d]
+(TransformerLens's name and layout); their sum over the heads plus b_O is the sublayer's output.
+It is formed only while a hook is attached; a hook that replaces it makes the output Σ_m of
+what it handed back, plus b_O.
+
 Other families add parts, each off by default (`ModelConfig`): a head size d_k apart from
 d / N_h; the RMSNorm of each head's q and k before the rotation (`q_norm`, `k_norm`: Qwen3,
 Gemma 3), whose output is what `hook_q` and `hook_k` see; the scores capped, S ↦ c·tanh(S/c)
@@ -67,6 +72,8 @@ class Attention(DirectModule):
         self.hook_attn_scores = HookPoint()
         self.hook_pattern = HookPoint()
         self.hook_z = HookPoint()
+        # [B, pos, head, d]: each head's contribution O^m W_O^m to the residual stream (formed only when attached)
+        self.hook_result = HookPoint()
 
     # ------------------------------------------------------------------ equation views
     def _rows(self, which: int) -> slice:
@@ -106,7 +113,25 @@ class Attention(DirectModule):
             o = self._forked(heads, pos, state, rotary)
         else:
             o = self._attend(heads, pos, state, rotary)
-        return self.W_O(o.reshape(B, m, self.n_head * self.d_head))
+        out = self.W_O(o.reshape(B, m, self.n_head * self.d_head))
+        return out if not self.hook_result.fns else self._by_head(o, out)
+
+    def head_results(self, z: torch.Tensor) -> torch.Tensor:
+        """Each head's write into the residual stream, O^m W_O^m with W_O^m the rows of W_O that
+        read head m: [B, pos, head, d] from z = [O¹ … O^{N_h}] ([B, pos, head, d_k]). Summed over
+        the heads, plus b_O, they are the sublayer's output."""
+        W = self.W_O.weight.unflatten(1, (self.n_head, self.d_head))  # [d, head, d_k]
+        return torch.einsum("bphk,dhk->bphd", z, W.to(z.dtype))
+
+    def _by_head(self, z: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The output through `hook_result`: as computed where the hooks only looked (the same
+        bits as with no hook), else Σ_m result^m + b_O of what they handed back."""
+        result = self.head_results(z)
+        hooked = self.hook_result(result)
+        if hooked is result:
+            return out
+        b = self.W_O.bias
+        return hooked.sum(2) if b is None else hooked.sum(2) + b
 
     def _normed(self, heads):
         """q and k of every head through their RMSNorms (v as it is)."""

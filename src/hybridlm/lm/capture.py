@@ -206,7 +206,7 @@ TrajectoryRecorder = Recorder  # (the name the recorder had when it recorded tra
 
 
 # ---------------------------------------------------------------------- TransformerLens' cache
-_ATTN = {"q", "k", "v", "z", "pattern", "attn_scores"}
+_ATTN = {"q", "k", "v", "z", "pattern", "attn_scores", "result"}
 _MLP = {"pre", "post"}
 
 
@@ -239,6 +239,20 @@ class ActivationCache(dict):
         """[layers, ...]: one hook kind over the layers below `layer` (default all)."""
         L = self.model.config.n_layer if layer is None else layer
         return torch.stack([self[kind, ell] for ell in range(L)])
+
+    def stack_head_results(self, layer: int | None = None, *, apply_ln: bool = False, return_labels: bool = False):
+        """Every head's write into the residual stream (`attn.hook_result`) in the blocks below `layer`
+        (default all), one component per (layer, head): [layers · heads, B, pos, d], labelled
+        `L{layer}H{head}` as TransformerLens labels them."""
+        L = self.model.config.n_layer if layer is None else layer
+        parts = [self["result", ell] for ell in range(L)]  # each [B, pos, head, d]
+        if not parts:
+            raise InputError("stack_head_results: no layer below 0")
+        stack = torch.cat([p.permute(2, 0, 1, 3) for p in parts])
+        labels = [f"L{ell}H{m}" for ell, p in enumerate(parts) for m in range(p.shape[2])]
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, L)
+        return (stack, labels) if return_labels else stack
 
     def accumulated_resid(self, layer: int | None = None, *, incl_mid: bool = False, apply_ln: bool = False,
                           return_labels: bool = False):

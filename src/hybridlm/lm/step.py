@@ -195,6 +195,8 @@ def _replay(block, tap: torch.Tensor, layout: list[int], inner: bool, pos: torch
             keys = part["scores"].numel() // (R * H)
             S, A = (part[name].view(R, H, 1, keys) for name in ("scores", "pattern"))
             _attention_states(attn, heads, S, A, z)
+        if attn.hook_result.fns:  # (once for all rows, after them, as the attention's forward hands it out)
+            attn.hook_result(attn.head_results(z))
     block.hook_attn_out(rows("attn_out", D))
     block.hook_resid_mid(rows("resid_mid", D))
     if inner:
@@ -362,7 +364,7 @@ def _build(parts: list):
     spec.g1, spec.b1, spec.g2, spec.b2 = map(kernels.address, norms)
     spec.qkv, spec.out, spec.up, spec.down = products
     inner = (ln1.hook_normalized, ln2.hook_normalized, attn.hook_q, attn.hook_k, attn.hook_v,
-             attn.hook_attn_scores, attn.hook_pattern, attn.hook_z, *_mlp_points(mlp))
+             attn.hook_attn_scores, attn.hook_pattern, attn.hook_z, attn.hook_result, *_mlp_points(mlp))
     return spec, inner
 
 
