@@ -8,7 +8,8 @@ import click
 
 from hybridlm.cli.options import (
     MODEL, MODEL_HELP, OUTPUT_FILE, SEED, TEXT, build_controllers, context_option, control_options,
-    drop_without_grammar, mcp_options, precision_option, steering_vector, tool_registry,
+    drop_without_grammar, mcp_options, precision_option, steering_vector, tool_call_parser_option, tool_registry,
+    use_tool_call_parser,
 )
 
 
@@ -56,9 +57,10 @@ def _plant_options(fn):
 @precision_option("auto")
 @context_option
 @control_options
+@tool_call_parser_option
 def agent(task, model_spec, tools, kb, tool_choice, parallel, max_jumps, max_new_tokens, temperature, seed,
           trace_path, states, as_json, mcp, mcp_timeout, plant_name, plant_speed, cbf, horizon, period, band,
-          figure_path, precision, context_policy, ban, steer, steer_layer, steer_scale):
+          figure_path, precision, context_policy, ban, steer, steer_layer, steer_scale, tool_call_parser):
     """Run TASK through the agentic hybrid automaton (generate ⇄ external modes)."""
     from hybridlm.agent import HybridAgent, Limits
     from hybridlm.errors import InputError
@@ -80,7 +82,7 @@ def agent(task, model_spec, tools, kb, tool_choice, parallel, max_jumps, max_new
         if tool_choice not in ("auto", "required", "none", *reg.tools):
             raise InputError(f"--tool-choice {tool_choice!r}: expected auto, required, none or one of the tools "
                              f"{sorted(reg.tools)[:8]}")
-        model = load_model(model_spec, seed=seed, precision=precision)
+        model = use_tool_call_parser(load_model(model_spec, seed=seed, precision=precision), tool_call_parser)
         controllers = build_controllers(model, ban, vector, steer_layer, steer_scale)
         drop_without_grammar(reg, model)
         if plant_name is not None:

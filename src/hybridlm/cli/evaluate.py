@@ -7,7 +7,10 @@ import sys
 
 import click
 
-from hybridlm.cli.options import MODEL, MODEL_HELP, OUTPUT_FILE, Group, precision_option, ray_options, runs_on_ray
+from hybridlm.cli.options import (
+    MODEL, MODEL_HELP, OUTPUT_FILE, Group, precision_option, ray_options, runs_on_ray, tool_call_parser_option,
+    use_tool_call_parser,
+)
 
 
 @click.group("eval", cls=Group)
@@ -24,7 +27,8 @@ def eval_group():
               help="With Ray: problems per shard (a Ray task) [default: 5]. Finished shards are kept beside --out.")
 @precision_option("float32")
 @ray_options
-def eval_agent(model_spec, n, modes, out, shard_size, precision, use_ray, ray_address):
+@tool_call_parser_option
+def eval_agent(model_spec, n, modes, out, shard_size, precision, use_ray, ray_address, tool_call_parser):
     """Arithmetic word problems: accuracy with the calculator and without tools."""
     from hybridlm.agent.evaluation import MODES, evaluate
     from hybridlm.errors import InputError
@@ -49,7 +53,8 @@ def eval_agent(model_spec, n, modes, out, shard_size, precision, use_ray, ray_ad
     else:
         from hybridlm.weights.loading import load_model
 
-        report = evaluate(load_model(model_spec, precision=precision), n=n, modes=chosen, progress=progress)
+        model = use_tool_call_parser(load_model(model_spec, precision=precision), tool_call_parser)
+        report = evaluate(model, n=n, modes=chosen, progress=progress)
     for mode, r in report["modes"].items():
         click.echo(f"{mode:>8}: accuracy {r['accuracy']:.0%} ({round(r['accuracy'] * n)}/{n}), "
                    f"mean jumps {r['mean_jumps']:.2f}, mean wall {r['mean_wall_s']:.2f} s, "
@@ -72,7 +77,8 @@ def eval_agent(model_spec, n, modes, out, shard_size, precision, use_ray, ray_ad
               help="Results, one JSON line per task (appended as it goes).")
 @click.option("--resume", is_flag=True, help="Continue --out: skip the tasks it already holds.")
 @precision_option("auto")
-def eval_bfcl(model_spec, categories, systems, limit, every, out, resume, precision):
+@tool_call_parser_option
+def eval_bfcl(model_spec, categories, systems, limit, every, out, resume, precision, tool_call_parser):
     """Berkeley Function Calling Leaderboard: BFCL's own data and AST checker (needs bfcl-eval)."""
     from pathlib import Path
 
@@ -100,7 +106,7 @@ def eval_bfcl(model_spec, categories, systems, limit, every, out, resume, precis
             if model is None:
                 from hybridlm.weights.loading import load_model
 
-                model = load_model(model_spec, precision=precision)
+                model = use_tool_call_parser(load_model(model_spec, precision=precision), tool_call_parser)
             runner = bfcl.HybridRunner(model, constrained=kind == "constrained")
         bfcl.evaluate(runner, chosen, limit=limit, every=every, out=out, resume=True,
                       progress=lambda n, name=runner.name: tqdm(total=n, desc=name, unit="task", file=sys.stderr))

@@ -6,6 +6,7 @@ import click
 
 from hybridlm.cli.options import (
     MODEL, MODEL_HELP, context_option, drop_without_grammar, mcp_options, precision_option, tool_registry,
+    tool_call_parser_option, use_tool_call_parser,
 )
 
 
@@ -40,8 +41,10 @@ from hybridlm.cli.options import (
 @mcp_options
 @precision_option("auto")
 @context_option
+@tool_call_parser_option
 def serve(model_spec, model_id, host, port, tools, kb, api_key, max_batch, max_queue, prefix_cache_mb,
-          continuation_mb, max_body_mb, max_jumps, max_arcs, log_level, mcp, mcp_timeout, precision, context_policy):
+          continuation_mb, max_body_mb, max_jumps, max_arcs, log_level, mcp, mcp_timeout, precision, context_policy,
+          tool_call_parser):
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, tools, streaming)."""
     from hybridlm.errors import InputError
     from hybridlm.server import Service, serve as run_server
@@ -56,7 +59,7 @@ def serve(model_spec, model_id, host, port, tools, kb, api_key, max_batch, max_q
     except OSError as exc:
         raise InputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     with tool_registry(tools, kb=kb, mcp=mcp, timeout_s=mcp_timeout) as reg:
-        model = load_model(model_spec, precision=precision)
+        model = use_tool_call_parser(load_model(model_spec, precision=precision), tool_call_parser)
         drop_without_grammar(reg, model)
         name = model_id or model_spec or "smollm2-135m"
         service = Service(model, model_id=name, tools=reg if reg.tools else None, max_batch=max_batch,
