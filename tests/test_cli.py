@@ -67,7 +67,7 @@ def test_generate_logit_bias_and_penalties(run, toy_model):
         (["x", "--greedy", "--temperature", "1"], "greedy"),
         (["x", "--top-p", "0"], "top-p"),
         (["x", "--top-p", "1.2"], "top-p"),
-        (["x", "--top-k", "0"], "top-k"),
+        (["x", "--top-k", "-1"], "top-k"),
     ],
 )
 def test_bad_input_exit_2(run, args, message):
@@ -102,7 +102,7 @@ def test_preset_offline_names_local_folder():
 
 def test_console_script_exit_code(toy_hub):
     """The installed entry point, as a user runs it: exit 2, one message, no traceback."""
-    cmd = [sys.executable, "-m", "hybridlm.cli", "generate", "hi", "--model", str(toy_hub[0]), "--top-k", "0"]
+    cmd = [sys.executable, "-m", "hybridlm.cli", "generate", "hi", "--model", str(toy_hub[0]), "--top-k", "-1"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "top-k" in p.stderr and "Traceback" not in p.stderr

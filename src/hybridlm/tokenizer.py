@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import re
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from hybridlm.chat_template import MARK_CLOSE, MARK_OPEN, mark_specials, render_chat_template
 from hybridlm.errors import InputError, ModelNotFoundError
 
 
@@ -89,15 +91,23 @@ class Tokenizer:
         the protocol's delimiters)."""
         return self._encode(text, special_tokens_are_text=False)
 
-    def _encode(self, text: str, *, special_tokens_are_text: bool) -> list[int]:
+    def _encode(self, text: str, *, special_tokens_are_text: bool, after_text: bool = False):
+        return self._encoding(text, special_tokens_are_text=special_tokens_are_text, after_text=after_text).ids
+
+    def _encoding(self, text: str, *, special_tokens_are_text: bool, after_text: bool = False):
+        """The library's encoding of `text`; `after_text`: as a piece that does not start the text (where the
+        pre-tokenizer writes its word-start mark only at the start, it writes none)."""
         if not isinstance(text, str):
             raise InputError(f"expected text (str), got {type(text).__name__}")
         # The library keeps the choice as a flag of the tokenizer, not of the call: set it under a lock,
         # since encodings run in several threads (a second backend would cost a second vocabulary).
         with self._lock:
             self.backend.encode_special_tokens = special_tokens_are_text
+            swap = after_text and self._inner_pre_tokenizer is not None
+            if swap:
+                self.backend.pre_tokenizer = self._inner_pre_tokenizer
             try:
-                return self.backend.encode(text, add_special_tokens=False).ids
+                return self.backend.encode(text, add_special_tokens=False)
             except TypeError:  # the library's answer to a str that is no Unicode text (a lone surrogate)
                 bad = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
                 if bad is None:
@@ -106,6 +116,78 @@ class Tokenizer:
                                  "expected Unicode text") from None
             finally:
                 self.backend.encode_special_tokens = False
+                if swap:
+                    self.backend.pre_tokenizer = self._pre_tokenizer
+
+    @functools.cached_property
+    def _pre_tokenizer(self):
+        return self.backend.pre_tokenizer
+
+    @functools.cached_property
+    def _inner_pre_tokenizer(self):
+        """The pre-tokenizer as the library applies it to a piece after the start of a text (Metaspace's
+        prepend scheme "first" is "never" there), or None where it is the same."""
+        return inner_pre_tokenizer(self.backend.pre_tokenizer)
+
+    # ------------------------------------------------------------------ conversations: only the template writes specials
+    @functools.cached_property
+    def special_strings(self) -> tuple[str, ...]:
+        """The text of every special token (what untrusted text may spell but never produce)."""
+        decoder = self.backend.get_added_tokens_decoder()
+        return tuple(decoder[i].content for i in sorted(self.special_ids))
+
+    def mark_untrusted(self, value):
+        """`value` (a text, or messages and tools) with the special-token strings of every text in it marked as
+        text (hybridlm.chat_template.mark_specials): what `render_chat_marked` renders."""
+        return mark_specials(value, self.special_strings)
+
+    def render_chat_marked(self, messages: list[dict], *, tools: list[dict] | None = None,
+                           add_generation_prompt: bool = True, **template_kwargs) -> str:
+        """`render_chat` of the messages and tools with their special-token strings marked: the rendering
+        that `encode_rendered` encodes."""
+        return self.render_chat(self.mark_untrusted(messages), tools=None if tools is None else self.mark_untrusted(tools),
+                                add_generation_prompt=add_generation_prompt, **template_kwargs)
+
+    def encode_chat(self, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                    **template_kwargs) -> list[int]:
+        """A conversation's ids, where only the chat template writes special tokens: the template's own text is
+        markup (`encode_markup`), every message, tool result, name, argument and tool schema is text (`encode`).
+        Where no untrusted text spells a special token, these are `encode_markup(render_chat(...))`'s ids."""
+        return self.encode_rendered(self.render_chat_marked(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs))
+
+    def encode_rendered(self, marked: str) -> list[int]:
+        """The ids of a rendering with marked special-token strings (`render_chat_marked`, or a piece of one).
+
+        The rendering without its marks is encoded as markup, except that a special token the library matches
+        where a mark was is text: the piece between the template's own special tokens that holds it is encoded
+        as text, as `encode` would encode it there. (A mark that the template cut off its token still demotes
+        the token at its side.)"""
+        if MARK_OPEN not in marked and MARK_CLOSE not in marked:
+            return self.encode_markup(marked)
+        text, opens, closes = _unmark(marked)
+        encoding = self._encoding(text, special_tokens_are_text=False)
+        special = self.special_ids
+        ids: list[int] = []
+        start = 0  # where the current piece of text starts
+        demoted_in_piece = False
+        pending: list[int] = []  # the library's ids of the current piece
+        for token, (s, e) in zip(encoding.ids, encoding.offsets, strict=True):
+            if token not in special:
+                pending.append(token)
+                continue
+            if s in opens or e in closes or any(s < c < e for c in (*opens, *closes)):
+                demoted_in_piece = True
+                continue
+            ids += self._piece(text[start:s], start, pending, demoted_in_piece)
+            ids.append(token)
+            start, pending, demoted_in_piece = e, [], False
+        return ids + self._piece(text[start:], start, pending, demoted_in_piece)
+
+    def _piece(self, piece: str, start: int, library_ids: list[int], demoted: bool) -> list[int]:
+        if not demoted:
+            return library_ids
+        return self._encode(piece, special_tokens_are_text=True, after_text=start > 0)
 
     def with_special(self, ids: Sequence[int]) -> list[int]:
         """A prompt's ids framed as its vocabulary asks (llama.cpp's `add_special`): BOS first where
@@ -138,27 +220,64 @@ class Tokenizer:
     def stop_ids(self) -> set[int]:
         return {i for i in (self.eos_id, *self.end_of_turn_ids) if i is not None}
 
-    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        """Render messages with the model's chat template (jinja2)."""
+    def render_chat(self, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                    **template_kwargs) -> str:
+        """Render `messages` (OpenAI-style, calls in `tool_calls`) and `tools` (OpenAI-style function schemas)
+        with the model's chat template, as `transformers`' `apply_chat_template(tokenize=False)` renders them
+        (hybridlm.chat_template). `template_kwargs` reach the template (`enable_thinking`, `now` pins
+        `strftime_now`'s clock)."""
         if not self.chat_template:
             raise InputError(f"tokenizer {self.name!r} has no chat template; drop --chat")
-        import jinja2.sandbox
+        return render_chat_template(self.chat_template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                    **{**self.special_tokens_map, **template_kwargs})
 
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message):
-            raise InputError(f"chat template: {message}")
-
-        env.globals["raise_exception"] = raise_exception
-        template = env.from_string(self.chat_template)
-        special = {
-            "bos_token": "" if self.bos_id is None else self.token_str(self.bos_id),
-            "eos_token": "" if self.eos_id is None else self.token_str(self.eos_id),
-        }
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+    @functools.cached_property
+    def special_tokens_map(self) -> dict[str, str]:
+        """The special tokens a template reads by name (`bos_token`, `eos_token`)."""
+        return {name: self.token_str(i) for name, i in (("bos_token", self.bos_id), ("eos_token", self.eos_id))
+                if i is not None}
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name}, V={self.vocab_size}, eos={self.eos_id})"
+
+
+def _unmark(marked: str) -> tuple[str, set[int], set[int]]:
+    """The text of a marked rendering, and where in it the opening and the closing marks stood."""
+    opens: set[int] = set()
+    closes: set[int] = set()
+    out: list[str] = []
+    n = 0
+    for part in re.split(f"([{MARK_OPEN}{MARK_CLOSE}])", marked):
+        if part == MARK_OPEN:
+            opens.add(n)
+        elif part == MARK_CLOSE:
+            closes.add(n)
+        else:
+            out.append(part)
+            n += len(part)
+    return "".join(out), opens, closes
+
+
+def inner_pre_tokenizer(pre):
+    """`pre` as it applies to a piece after the start of a text: with Metaspace's prepend scheme "first" made
+    "never" (the library writes the word-start mark only at offset 0); None when that changes nothing."""
+    if pre is None:
+        return None
+    spec = json.loads(pre.__getstate__())
+
+    def inner(d: dict) -> dict:
+        if d.get("type") == "Sequence":
+            return {**d, "pretokenizers": [inner(x) for x in d.get("pretokenizers", [])]}
+        if d.get("type") == "Metaspace" and d.get("prepend_scheme") == "first":
+            return {**d, "prepend_scheme": "never"}
+        return d
+
+    changed = inner(spec)
+    if changed == spec:
+        return None
+    out = pre_tokenizers.Whitespace()
+    out.__setstate__(json.dumps(changed).encode())  # the library's own (pickle) constructor from JSON
+    return out
 
 
 def piece_decoder(decoder):

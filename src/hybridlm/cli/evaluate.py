@@ -8,8 +8,8 @@ import sys
 import click
 
 from hybridlm.cli.options import (
-    MODEL, MODEL_HELP, OUTPUT_FILE, Group, precision_option, ray_options, runs_on_ray, tool_call_parser_option,
-    use_tool_call_parser,
+    MODEL, MODEL_HELP, OUTPUT_FILE, Group, chat_template_option, precision_option, ray_options, runs_on_ray,
+    tool_call_parser_option, use_tool_call_parser, with_chat_template,
 )
 
 
@@ -26,9 +26,10 @@ def eval_group():
 @click.option("--shard-size", type=click.IntRange(min=1), default=None,
               help="With Ray: problems per shard (a Ray task) [default: 5]. Finished shards are kept beside --out.")
 @precision_option("float32")
-@ray_options
+@chat_template_option
 @tool_call_parser_option
-def eval_agent(model_spec, n, modes, out, shard_size, precision, use_ray, ray_address, tool_call_parser):
+@ray_options
+def eval_agent(model_spec, n, modes, out, shard_size, precision, chat_template, use_ray, ray_address, tool_call_parser):
     """Arithmetic word problems: accuracy with the calculator and without tools."""
     from hybridlm.agent.evaluation import MODES, evaluate
     from hybridlm.errors import InputError
@@ -37,6 +38,8 @@ def eval_agent(model_spec, n, modes, out, shard_size, precision, use_ray, ray_ad
     if not set(chosen) <= set(MODES):
         raise InputError(f"--modes {modes!r}: expected tools, no-tools or both")
     on_ray = runs_on_ray(use_ray, ray_address, "--shard-size", shard_size)
+    if on_ray and chat_template is not None:
+        raise InputError("--chat-template applies to a model loaded here: drop --ray (the workers load the model's own)")
     done = {"count": 0}
 
     def progress(mode, row):
@@ -53,7 +56,8 @@ def eval_agent(model_spec, n, modes, out, shard_size, precision, use_ray, ray_ad
     else:
         from hybridlm.weights.loading import load_model
 
-        model = use_tool_call_parser(load_model(model_spec, precision=precision), tool_call_parser)
+        model = with_chat_template(load_model(model_spec, precision=precision), chat_template)
+        use_tool_call_parser(model, tool_call_parser)
         report = evaluate(model, n=n, modes=chosen, progress=progress)
     for mode, r in report["modes"].items():
         click.echo(f"{mode:>8}: accuracy {r['accuracy']:.0%} ({round(r['accuracy'] * n)}/{n}), "
@@ -77,8 +81,9 @@ def eval_agent(model_spec, n, modes, out, shard_size, precision, use_ray, ray_ad
               help="Results, one JSON line per task (appended as it goes).")
 @click.option("--resume", is_flag=True, help="Continue --out: skip the tasks it already holds.")
 @precision_option("auto")
+@chat_template_option
 @tool_call_parser_option
-def eval_bfcl(model_spec, categories, systems, limit, every, out, resume, precision, tool_call_parser):
+def eval_bfcl(model_spec, categories, systems, limit, every, out, resume, precision, chat_template, tool_call_parser):
     """Berkeley Function Calling Leaderboard: BFCL's own data and AST checker (needs bfcl-eval)."""
     from pathlib import Path
 
@@ -106,7 +111,8 @@ def eval_bfcl(model_spec, categories, systems, limit, every, out, resume, precis
             if model is None:
                 from hybridlm.weights.loading import load_model
 
-                model = use_tool_call_parser(load_model(model_spec, precision=precision), tool_call_parser)
+                model = with_chat_template(load_model(model_spec, precision=precision), chat_template)
+                use_tool_call_parser(model, tool_call_parser)
             runner = bfcl.HybridRunner(model, constrained=kind == "constrained")
         bfcl.evaluate(runner, chosen, limit=limit, every=every, out=out, resume=True,
                       progress=lambda n, name=runner.name: tqdm(total=n, desc=name, unit="task", file=sys.stderr))

@@ -11,8 +11,8 @@ from typing import Any
 import click
 
 from hybridlm.cli.options import (
-    MODEL, MODEL_HELP, SEED, TEXT, build_controllers, context_option, control_options, control_summary,
-    precision_option, steering_vector,
+    MODEL, MODEL_HELP, SEED, TEXT, build_controllers, chat_template_option, context_option, control_options, control_summary,
+    precision_option, steering_vector, with_chat_template,
 )
 
 
@@ -81,7 +81,7 @@ def _constraint(source, model, budget: int):
 @click.option("--max-new-tokens", "-n", default=64, show_default=True, type=click.IntRange(min=0))
 @click.option("--greedy", is_flag=True, help="Greedy decoding (the limit τ → 0).")
 @click.option("--temperature", "-t", type=float, default=None, help="Temperature τ > 0 [default: 1].")
-@click.option("--top-k", type=int, default=None, help="Keep the K most likely tokens (K ≥ 1).")
+@click.option("--top-k", type=int, default=None, help="Keep the K most likely tokens (K ≥ 1; 0: off, as llama.cpp).")
 @click.option("--top-p", type=float, default=None, help="Nucleus: keep the smallest set of mass ≥ P, P in (0, 1].")
 @click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
               help="Subtract A × (times the token was generated) from its logit (OpenAI's frequency penalty).")
@@ -91,6 +91,7 @@ def _constraint(source, model, budget: int):
               help="Add BIAS to the logit of token ID (repeatable; -100 bans it in effect).")
 @click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of the sampler (and of random weights).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template; stop at end of turn.")
+@chat_template_option
 @click.option("--ids", "as_ids", is_flag=True, help="PROMPT is a list of token ids (comma or space separated).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.option("--json-schema", "schema_file", type=click.Path(dir_okay=False), default=None,
@@ -102,7 +103,8 @@ def _constraint(source, model, budget: int):
 @context_option
 @control_options
 def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top_p, frequency_penalty, presence_penalty,
-             logit_bias, seed, chat, as_ids, as_json, schema_file, regex, grammar_file, precision, context_policy, ban,
+             logit_bias, seed, chat, chat_template, as_ids, as_json, schema_file, regex, grammar_file, precision,
+             context_policy, ban,
              steer, steer_layer, steer_scale):
     """Run the token-clock recursion from PROMPT and print the continuation."""
     from hybridlm.errors import InputError
@@ -121,7 +123,7 @@ def generate(prompt, model_spec, max_new_tokens, greedy, temperature, top_k, top
     if not as_ids and not prompt.strip():
         raise InputError("empty prompt: give some text (or token ids with --ids)")
     t0 = time.perf_counter()
-    model = load_model(model_spec, seed=seed, precision=precision)
+    model = with_chat_template(load_model(model_spec, seed=seed, precision=precision), chat_template)
     load_s = time.perf_counter() - t0
     tok = model.tokenizer
     prompt_ids = _prompt_ids(prompt, model, ids=given_ids, chat=chat)
@@ -228,8 +230,9 @@ def _prompt_ids(prompt: str, model, *, ids: list[int] | None, chat: bool) -> lis
     if ids is None:
         if tok is None:
             raise InputError(f"model {model.source} has no tokenizer: pass token ids with --ids")
-        text = tok.render_chat([{"role": "user", "content": prompt}]) if chat else prompt
-        ids = tok.encode_markup(text)
+        # --chat: the prompt is a user's text inside the template's markup; without it, the prompt is the raw text
+        # the model reads, markup included.
+        ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode_markup(prompt)
     check_tokens(ids, model.config.vocab_size)
     return ids
 

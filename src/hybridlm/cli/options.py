@@ -136,6 +136,40 @@ class ModelSpec(click.ParamType):
         return value
 
 
+class ChatTemplateFile(click.ParamType):
+    """--chat-template: a Jinja chat template file, read and compiled before any model loads."""
+
+    name = "file"
+
+    def convert(self, value, param, ctx):
+        from hybridlm.chat_template import compile_template
+
+        try:
+            text = Path(value).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            self.fail(f"{value}: {getattr(exc, 'strerror', None) or exc}: expected a readable UTF-8 Jinja file", param, ctx)
+        try:
+            compile_template(text)
+        except InputError as exc:
+            self.fail(f"{value}: {exc}", param, ctx)
+        return text
+
+
+def chat_template_option(fn):
+    """--chat-template FILE: the chat template to render conversations with instead of the model's own."""
+    return click.option("--chat-template", "chat_template", type=ChatTemplateFile(), default=None, metavar="FILE",
+                        help="A Jinja chat template (transformers' conventions) used instead of the model's own.")(fn)
+
+
+def with_chat_template(model, template: str | None):
+    """`model` with its tokenizer's chat template replaced by `template` (--chat-template), when given."""
+    if template is not None:
+        if model.tokenizer is None:
+            raise InputError(f"--chat-template: the model {model.source} has no tokenizer to render with")
+        model.tokenizer.chat_template = template
+    return model
+
+
 SEED, TEXT, MODEL = Seed(), Text(), ModelSpec()
 OUTPUT_FILE, OUTPUT_FOLDER = Output("file", "writable"), Output("folder", "creatable_folder")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import click
 
 from hybridlm.cli.options import (
-    MODEL, MODEL_HELP, context_option, drop_without_grammar, mcp_options, precision_option, tool_registry,
-    tool_call_parser_option, use_tool_call_parser,
+    MODEL, MODEL_HELP, chat_template_option, context_option, drop_without_grammar, mcp_options, precision_option,
+    tool_call_parser_option, tool_registry, use_tool_call_parser, with_chat_template,
 )
 
 
@@ -39,12 +39,13 @@ from hybridlm.cli.options import (
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @mcp_options
+@chat_template_option
+@tool_call_parser_option
 @precision_option("auto")
 @context_option
-@tool_call_parser_option
 def serve(model_spec, model_id, host, port, tools, kb, api_key, max_batch, max_queue, prefix_cache_mb,
-          continuation_mb, max_body_mb, max_jumps, max_arcs, log_level, mcp, mcp_timeout, precision, context_policy,
-          tool_call_parser):
+          continuation_mb, max_body_mb, max_jumps, max_arcs, log_level, mcp, mcp_timeout, chat_template, precision,
+          context_policy, tool_call_parser):
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, tools, streaming)."""
     from hybridlm.errors import InputError
     from hybridlm.server import Service, serve as run_server
@@ -59,7 +60,8 @@ def serve(model_spec, model_id, host, port, tools, kb, api_key, max_batch, max_q
     except OSError as exc:
         raise InputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     with tool_registry(tools, kb=kb, mcp=mcp, timeout_s=mcp_timeout) as reg:
-        model = use_tool_call_parser(load_model(model_spec, precision=precision), tool_call_parser)
+        model = with_chat_template(load_model(model_spec, precision=precision), chat_template)
+        use_tool_call_parser(model, tool_call_parser)
         drop_without_grammar(reg, model)
         name = model_id or model_spec or "smollm2-135m"
         service = Service(model, model_id=name, tools=reg if reg.tools else None, max_batch=max_batch,

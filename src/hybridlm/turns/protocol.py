@@ -116,15 +116,12 @@ class Protocol:
         return msgs + [{"role": "user", "content": task}]
 
     # ------------------------------------------------------------------ their tokens
-    def render(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
-        """The conversation as the chat template writes it (with the tools, where it takes them)."""
-        if self.templated and self.schemas:
-            return self.tokenizer.render_chat(messages, tools=[function(s) for s in self.schemas],
-                                              add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt)
+    def tools(self) -> list[dict] | None:
+        """The tools as the chat template takes them (None where the system prompt lists them)."""
+        return [function(s) for s in self.schemas] if self.templated and self.schemas else None
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.encode_markup(self.render(messages, add_generation_prompt=True))
+        return self.tokenizer.encode_chat(messages, tools=self.tools(), add_generation_prompt=True)
 
     def prompt_ids_and_marks(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         """The prompt, and where each message before the last ends in it: the boundaries of its
@@ -135,7 +132,7 @@ class Protocol:
         marks = []
         for i in range(1, len(messages)):
             try:
-                head = tok.encode_markup(self.render(messages[:i], add_generation_prompt=False))
+                head = tok.encode_chat(messages[:i], tools=self.tools(), add_generation_prompt=False)
             except Exception:  # noqa: BLE001 - a template may refuse a conversation cut there (no user turn yet)
                 continue
             if len(head) < len(ids) and ids[: len(head)] == head:
@@ -154,13 +151,17 @@ class Protocol:
         tok = self.tokenizer
         if isinstance(observations, str):
             observations = [observations]
-        before = self.render(messages, add_generation_prompt=False)
-        after = self.render([*messages, *self.tool_turns(observations, names, ids)], add_generation_prompt=True)
+        # Rendered with the special-token strings of the messages and observations marked as text: only the
+        # template's own text becomes special tokens (a tool's output cannot close its turn).
+        tools = self.tools()
+        before = tok.render_chat_marked(messages, tools=tools, add_generation_prompt=False)
+        after = tok.render_chat_marked([*messages, *self.tool_turns(observations, names, ids)], tools=tools,
+                                       add_generation_prompt=True)
         if not after.startswith(before):
             raise ValueError("the chat template does not render conversations as growing prefixes")
         # `before` ends with the rendered end of the assistant turn, which the model has not
         # generated (generation stops at the call's end): inject it as part of enc(y).
-        content = messages[-1]["content"]
+        content = tok.mark_untrusted(messages[-1]["content"])
         call_end = before[before.rindex(content) + len(content):]
         if turn_closed:
             for stop in sorted(tok.end_of_turn_ids, key=lambda i: i != tok.end_of_turn_id):
@@ -168,7 +169,7 @@ class Protocol:
                 if piece and call_end.startswith(piece):
                     call_end = call_end.removeprefix(piece)
                     break
-        return tok.encode_markup(call_end + after[len(before):])
+        return tok.encode_rendered(call_end + after[len(before):])
 
     def tool_turns(self, observations: Sequence[str], names: Sequence[str] = (), ids: Sequence[str] = ()) -> list[dict]:
         """The tool turns of a jump's observations, in the order of its calls."""
