@@ -131,10 +131,11 @@ class CallCodec(ABC):
 
 
 def token_literal(tokenizer, text: str) -> str:
-    """A delimiter in llguidance's Lark: the control token `<[id]>` where the vocabulary has `text`
-    as a special token (a model writes it as that one token, never spelled out), else the quoted text."""
+    """A delimiter in llguidance's Lark: the token `<[id]>` where the vocabulary has `text` as an added
+    token (a control token, or a user-defined one such as Qwen's `<tool_call>`, which llguidance keeps
+    apart from text too: a model writes it as that one token, never spelled out), else the quoted text."""
     if tokenizer is not None:
         ids = tokenizer.encode_markup(text)
-        if len(ids) == 1 and ids[0] in tokenizer.special_ids:
+        if len(ids) == 1 and ids[0] in tokenizer.backend.get_added_tokens_decoder():
             return f"<[{ids[0]}]>"
     return json.dumps(text)

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from hybridlm.constraints import library
 from hybridlm.constraints.calls import argument_schemas
-from hybridlm.turns.codecs.base import CallCodec, PartialCall, ToolCall
+from hybridlm.turns.codecs.base import CallCodec, PartialCall, ToolCall, token_literal
 from hybridlm.turns.codecs.json_text import as_json, closing_tag, scan_object
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -170,23 +170,27 @@ def _regex(text: str) -> str:
 
 
 def lark(tools: dict[str, dict], choice: str, parallel: bool, max_calls: int | None, max_string: int | None,
-         *, pad: str = "") -> str:
+         *, pad: str = "", tokenizer=None) -> str:
     """The turn's grammar in llguidance's Lark format, each call's JSON an inline %json schema
-    between the tags (`pad`: the text between a tag and the JSON, as the template writes it)."""
-    if choice == "none":
+    between the tags (`pad`: the text between a tag and the JSON, as the template writes it; a tag
+    that is a control token of the vocabulary, as Qwen's are, written as that token)."""
+    if choice == "none":  # (a control token is never allowed where the grammar does not name it)
         return no_call(OPEN)
-    p = json.dumps(pad)[1:-1]
+    p = json.dumps(pad)
+    opening, closing = token_literal(tokenizer, OPEN), token_literal(tokenizer, CLOSE)
     lines = [
         f"body: {call_body(tools, max_string)}",
-        f'call: "{OPEN}{p}" body "{p}{CLOSE}"',
+        f"call: {opening} {p} body {p} {closing}",
     ]
     more = repeat(parallel, max_calls)
-    if choice == "auto":
+    if choice == "auto" and opening.startswith("<["):  # free text cannot hold a token: it ends where the call opens
+        lines += ["start: TEXT | TEXT call" + more, "TEXT: /(?s:.*)/"]
+    elif choice == "auto":
         lines += [
-            f'start: TEXT | head "{p}" body rest',
+            f"start: TEXT | head {p} body rest",
             "TEXT: /(?s:.*)/",
-            f'head[lazy]: TEXT "{OPEN}"',
-            f'rest: "{p}{CLOSE}"{more}',
+            f"head[lazy]: TEXT {opening}",
+            f"rest: {p} {closing}{more}",
         ]
     else:
         lines += [f"start: call{more}"]
@@ -237,7 +241,7 @@ class TaggedJSON(CallCodec):
 
     def grammar(self, tools: dict[str, dict], choice: str, *, parallel: bool, max_calls: int | None,
                 max_string: int | None, tokenizer=None) -> str:
-        return lark(tools, choice, parallel, max_calls, max_string, pad=self.pad)
+        return lark(tools, choice, parallel, max_calls, max_string, pad=self.pad, tokenizer=tokenizer)
 
 
 class Hermes(TaggedJSON):
