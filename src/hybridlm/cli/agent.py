@@ -9,7 +9,7 @@ import click
 from hybridlm.cli.options import (
     MODEL, MODEL_HELP, OUTPUT_FILE, SEED, TEXT, build_controllers, context_option, control_options,
     chat_template_option, drop_without_grammar, mcp_options, precision_option, steering_vector, tool_registry,
-    with_chat_template,
+    tool_call_parser_option, use_tool_call_parser, with_chat_template,
 )
 
 
@@ -54,13 +54,14 @@ def _plant_options(fn):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @mcp_options
 @chat_template_option
+@tool_call_parser_option
 @_plant_options
 @precision_option("auto")
 @context_option
 @control_options
 def agent(task, model_spec, tools, kb, tool_choice, parallel, max_jumps, max_new_tokens, temperature, seed,
           trace_path, states, as_json, mcp, mcp_timeout, chat_template, plant_name, plant_speed, cbf, horizon, period, band,
-          figure_path, precision, context_policy, ban, steer, steer_layer, steer_scale):
+          figure_path, precision, context_policy, ban, steer, steer_layer, steer_scale, tool_call_parser):
     """Run TASK through the agentic hybrid automaton (generate ⇄ external modes)."""
     from hybridlm.agent import HybridAgent, Limits
     from hybridlm.errors import InputError
@@ -83,6 +84,7 @@ def agent(task, model_spec, tools, kb, tool_choice, parallel, max_jumps, max_new
             raise InputError(f"--tool-choice {tool_choice!r}: expected auto, required, none or one of the tools "
                              f"{sorted(reg.tools)[:8]}")
         model = with_chat_template(load_model(model_spec, seed=seed, precision=precision), chat_template)
+        use_tool_call_parser(model, tool_call_parser)
         controllers = build_controllers(model, ban, vector, steer_layer, steer_scale)
         drop_without_grammar(reg, model)
         if plant_name is not None:

@@ -9,7 +9,7 @@ import click
 
 from hybridlm.cli.options import (
     MODEL, MODEL_HELP, OUTPUT_FILE, Group, chat_template_option, precision_option, ray_options, runs_on_ray,
-    with_chat_template,
+    tool_call_parser_option, use_tool_call_parser, with_chat_template,
 )
 
 
@@ -27,8 +27,9 @@ def eval_group():
               help="With Ray: problems per shard (a Ray task) [default: 5]. Finished shards are kept beside --out.")
 @precision_option("float32")
 @chat_template_option
+@tool_call_parser_option
 @ray_options
-def eval_agent(model_spec, n, modes, out, shard_size, precision, chat_template, use_ray, ray_address):
+def eval_agent(model_spec, n, modes, out, shard_size, precision, chat_template, use_ray, ray_address, tool_call_parser):
     """Arithmetic word problems: accuracy with the calculator and without tools."""
     from hybridlm.agent.evaluation import MODES, evaluate
     from hybridlm.errors import InputError
@@ -55,8 +56,9 @@ def eval_agent(model_spec, n, modes, out, shard_size, precision, chat_template, 
     else:
         from hybridlm.weights.loading import load_model
 
-        report = evaluate(with_chat_template(load_model(model_spec, precision=precision), chat_template), n=n, modes=chosen,
-                          progress=progress)
+        model = with_chat_template(load_model(model_spec, precision=precision), chat_template)
+        use_tool_call_parser(model, tool_call_parser)
+        report = evaluate(model, n=n, modes=chosen, progress=progress)
     for mode, r in report["modes"].items():
         click.echo(f"{mode:>8}: accuracy {r['accuracy']:.0%} ({round(r['accuracy'] * n)}/{n}), "
                    f"mean jumps {r['mean_jumps']:.2f}, mean wall {r['mean_wall_s']:.2f} s, "
@@ -80,7 +82,8 @@ def eval_agent(model_spec, n, modes, out, shard_size, precision, chat_template, 
 @click.option("--resume", is_flag=True, help="Continue --out: skip the tasks it already holds.")
 @precision_option("auto")
 @chat_template_option
-def eval_bfcl(model_spec, categories, systems, limit, every, out, resume, precision, chat_template):
+@tool_call_parser_option
+def eval_bfcl(model_spec, categories, systems, limit, every, out, resume, precision, chat_template, tool_call_parser):
     """Berkeley Function Calling Leaderboard: BFCL's own data and AST checker (needs bfcl-eval)."""
     from pathlib import Path
 
@@ -109,6 +112,7 @@ def eval_bfcl(model_spec, categories, systems, limit, every, out, resume, precis
                 from hybridlm.weights.loading import load_model
 
                 model = with_chat_template(load_model(model_spec, precision=precision), chat_template)
+                use_tool_call_parser(model, tool_call_parser)
             runner = bfcl.HybridRunner(model, constrained=kind == "constrained")
         bfcl.evaluate(runner, chosen, limit=limit, every=every, out=out, resume=True,
                       progress=lambda n, name=runner.name: tqdm(total=n, desc=name, unit="task", file=sys.stderr))

@@ -276,6 +276,27 @@ MODEL_HELP = ("Model: a name (smollm2-135m, gpt2, random:gpt2, ...), a hub-layou
               "Default: the embedded SmolLM2-135M-Instruct.")
 
 
+def tool_call_parser_option(fn):
+    """--tool-call-parser: the call format (hybridlm.turns.codecs), as vLLM's option of that name; `auto`
+    reads it from the model's chat template."""
+    from hybridlm.turns.codecs import CODECS
+
+    return click.option("--tool-call-parser", "tool_call_parser", default="auto", show_default=True,
+                        type=click.Choice(["auto", *CODECS]),
+                        help="The tool-call format: auto (the chat template's, else the default tagged_json), or one "
+                             "by name.")(fn)
+
+
+def use_tool_call_parser(model, name: str | None):
+    """The model, its call format overridden by `name` unless that is auto (hybridlm.turns.codec_for reads it)."""
+    if name and name != "auto":
+        from hybridlm.turns import codec_for
+
+        codec_for(name=name)  # an unknown name: one line before any slow work
+        model.tool_call_parser = name
+    return model
+
+
 def mcp_options(fn):
     """--mcp and --mcp-timeout: MCP tool servers beside the built-in tools (for `agent`, later `serve`)."""
     fn = click.option("--mcp-timeout", type=float, default=30.0, show_default=True,

@@ -6,7 +6,7 @@ import click
 
 from hybridlm.cli.options import (
     MODEL, MODEL_HELP, Device, chat_template_option, context_option, drop_without_grammar, mcp_options,
-    precision_option, tool_registry, with_chat_template,
+    precision_option, tool_call_parser_option, tool_registry, use_tool_call_parser, with_chat_template,
 )
 
 
@@ -51,11 +51,12 @@ from hybridlm.cli.options import (
 @click.option("--device", default="cpu", show_default=True, type=Device(), help="cpu, cuda or cuda:N.")
 @mcp_options
 @chat_template_option
+@tool_call_parser_option
 @precision_option("auto")
 @context_option
 def serve(model_spec, names, host, port, tools, kb, api_key, max_batch, max_queue, prefix_cache_mb,
           continuation_mb, max_body_mb, max_jumps, max_arcs, allowed_hosts, allowed_origins, log_level, threads, device,
-          mcp, mcp_timeout, chat_template, precision, context_policy):
+          mcp, mcp_timeout, chat_template, precision, context_policy, tool_call_parser):
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, tools, streaming)."""
     from hybridlm.errors import InputError
     from hybridlm.server import Service, serve as run_server
@@ -92,6 +93,7 @@ def serve(model_spec, names, host, port, tools, kb, api_key, max_batch, max_queu
 
             where = device if device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
             model = with_chat_template(load_model(model_spec, precision=precision, device=where), chat_template)
+            use_tool_call_parser(model, tool_call_parser)
             drop_without_grammar(reg, model)
             loaded["precision"] = model.precision
             return Service(model, model_id=tuple(served) or (name,), tools=reg if reg.tools else None,

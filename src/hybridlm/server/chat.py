@@ -26,35 +26,34 @@ import torch
 
 from hybridlm.server.service import Continuation
 from hybridlm.server.wire import invalid, text_of
-from hybridlm.turns import CallCodec, Protocol, render, turns_of
+from hybridlm.turns import Protocol, render, turns_of
 
 
 # ---------------------------------------------------------------------- the conversation
 def template_messages(messages, protocol: Protocol) -> list[dict]:
-    """OpenAI messages as the chat template's messages: one system message (the client's
-    system text, then the tool part of the prompt when tools are offered), calls as the model
-    writes them, tool results as the jump map injects them."""
-    codec = protocol.codec
+    """OpenAI messages as the chat template's messages: one system message (the client's system
+    text, then the tool part of the prompt where the template does not list the tools), calls and
+    tool results as the protocol gives them to the template (hybridlm.turns.protocol)."""
     system = "\n\n".join(text_of(m.content) for m in messages if m.role in ("system", "developer"))
     tools = protocol.tools_prompt()
     if tools:
         system = (system + "\n\n" if system else "") + tools
     out = [{"role": "system", "content": system}] if system else []
+    names: dict[str, str] = {}
     for m in messages:
         if m.role in ("system", "developer"):
             continue
         if m.role == "assistant":
-            out.append({"role": "assistant", "content": assistant_text(m, codec)})
+            calls = m.tool_calls or []
+            names |= {c.id: c.function.name for c in calls}
+            out.append(protocol.assistant(text_of(m.content), [(c.function.name, c.function.arguments) for c in calls],
+                                          [c.id for c in calls]))
         elif m.role == "tool":
-            out.append({"role": "tool", "content": codec.render_result(text_of(m.content))})
+            ident = m.tool_call_id or ""
+            out.append(protocol.tool(text_of(m.content), name=names.get(ident, ""), call_id=ident))
         else:
             out.append({"role": "user", "content": text_of(m.content)})
     return out
-
-
-def assistant_text(m, codec: CallCodec) -> str:
-    """An assistant message as the model writes it: its text, then each call."""
-    return codec.render_calls(text_of(m.content), [(c.function.name, c.function.arguments) for c in m.tool_calls or []])
 
 
 def conversation_key(messages: list[dict]) -> str:
@@ -89,19 +88,21 @@ class ClientTools:
 
     names: frozenset[str]
     tokenizer: object
-    codec: CallCodec
+    protocol: Protocol
     stops: tuple[str, ...] = ()
 
     def continuation(self, s, state) -> tuple[str, Continuation]:
         """What the service keeps of an arc that ended in D at a client-side call: the state, under
-        the key of the conversation the client will send back with the tool results."""
-        view = render(turns_of(s, self.tokenizer), final=True, stops=self.stops, client_tools=self.names,
-                      codec=self.codec)
-        content = self.codec.render_calls(view.content, [(c.name, c.arguments) for c in view.calls])
-        head = s.messages + [{"role": "assistant", "content": content}]
+        the key of the conversation the client will send back with the tool results (its calls as
+        the protocol gives them to the template), and the conversation with the turn as the model
+        wrote it (what the state holds, and what enc(y) continues)."""
+        turns = turns_of(s, self.tokenizer)
+        view = render(turns, final=True, stops=self.stops, client_tools=self.names, codec=self.protocol.codec)
+        ids = [call_id(s, c.index) for c in view.calls]
+        sent = self.protocol.assistant(view.content, [(c.name, c.arguments) for c in view.calls], ids)
+        written = s.messages + [{"role": "assistant", "content": turns[-1]}]
         closed = bool(s.turn) and s.turn[-1] in s.stop_ids
-        return conversation_key(head), Continuation(state, head, [call_id(s, c.index) for c in view.calls], closed,
-                                                    s.name, s.t)
+        return conversation_key(s.messages + [sent]), Continuation(state, written, ids, closed, s.name, s.t)
 
 
 def call_id(s, index: int) -> str:

@@ -238,9 +238,11 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
         head = C.template_messages(messages[: i + 1], protocol)
         entry = service.continuations.get(C.conversation_key(head))
         if entry is not None:
-            observations = [results[c.id] for c in messages[i].tool_calls or []]
-            resume = protocol.observation_ids(head, observations, turn_closed=entry.turn_closed)
-            tmpl = head + [{"role": "tool", "content": codec.render_result(y)} for y in observations]
+            calls = messages[i].tool_calls or []
+            observations, names, ids = [results[c.id] for c in calls], [c.function.name for c in calls], [c.id for c in calls]
+            resume = protocol.observation_ids(entry.messages, observations, turn_closed=entry.turn_closed, names=names,
+                                              ids=ids)
+            tmpl = entry.messages + protocol.tool_turns(observations, names, ids)
     if entry is None:
         tmpl = C.template_messages(messages, protocol)
         try:
@@ -258,7 +260,7 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
     offer = Offer(tools=tuple({**t, "server": "client"} if t["name"] in client_tools else t for t in offered),
                   choice=choice, parallel=parallel, calls=bool(offered), answer_schema=schema, answer_grammar=grammar,
                   stops=stops)
-    elsewhere = C.ClientTools(client_tools, tok, codec, stops) if client_tools else None
+    elsewhere = C.ClientTools(client_tools, tok, protocol, stops) if client_tools else None
     run = None
     if server:
         tools = service.tools

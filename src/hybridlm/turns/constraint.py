@@ -88,7 +88,7 @@ def tool_call_constraint(tokenizer, tools, tool_choice="auto", *, parallel: bool
     for name, params in offered.items():  # each schema on its own first: the error names the tool
         library.matcher(lib, library.json_grammar(tool_schema(params, max_string), lenient=True), f"tool {name}")
     grammar = library.lark_grammar(codec.grammar(offered, choice, parallel=parallel, max_calls=max_calls,
-                                                 max_string=max_string))
+                                                 max_string=max_string, tokenizer=tokenizer))
     return ToolCallConstraint(tokenizer, grammar, codec=codec, tools=list(offered), tool_choice=choice,
                               parallel=parallel, budget=budget, vocab_size=vocab_size)
 

@@ -193,10 +193,12 @@ class Conversation(HybridSystem):
             s.emit("jump", id=f"call-{s.name}-{s.k}", tool=name, arguments=arguments, observation=obs.text,
                    error=obs.error, duration_s=obs.duration_s, server=self.servers.get(name))
         closed = bool(s.turn) and s.turn[-1] in s.stop_ids  # the model closed its turn itself
-        s.messages.append({"role": "assistant", "content": s.call.text})
-        observations = [obs.text for _, _, obs in results]
-        enc = self.protocol.observation_ids(s.messages, observations, turn_closed=closed)
-        s.messages += [{"role": "tool", "content": text} for text in observations]
+        s.messages.append({"role": "assistant", "content": s.call.text})  # (as written: the state holds it)
+        observations, names = [obs.text for _, _, obs in results], [name for name, _, _ in results]
+        made = s.call.calls()
+        ids = [made[i].id if i < len(made) and made[i].id else self.codec.call_id(i, f"{s.k}-") for i in range(len(results))]
+        enc = self.protocol.observation_ids(s.messages, observations, turn_closed=closed, names=names, ids=ids)
+        s.messages += self.protocol.tool_turns(observations, names, ids)
         s.constraint = self.turn(s, first=False)
         return enc
 

@@ -1,28 +1,71 @@
 """Call formats: one codec per way a family of models writes tool calls (hybridlm.turns.codecs.base).
 
-`codec_for` picks a model's format; today every model writes the tagged-JSON format
-(`<tool_call>{"name": …, "arguments": {…}}</tool_call>`). A new format is a `CallCodec`
-subclass registered in `CODECS`; nothing above this package changes.
+`codec_for` reads a model's chat template for the markers of its format, as llama.cpp's
+common/chat.cpp recognises a template (and vLLM's `--tool-call-parser` overrides it):
+
+- `[TOOL_CALLS]`: `mistral`, the second generation (`name[ARGS]{…}`) where the template writes
+  `[ARGS]`, with ids where it writes `[CALL_ID]`; else the first (a JSON array of calls);
+- `<tool_call>` with JSON inside (not the XML of Qwen3-Coder, GLM or MiniMax): `hermes` (Qwen2.5,
+  Qwen3, Hermes 2/3, SmolLM3);
+- Llama 3's header tokens with the `ipython` role or `<|python_tag|>`: `llama3_json`;
+- anything else, or no template: `tagged_json`, the project's default format, which a system
+  prompt of the project's own teaches (docs/agent.md). A template that names a format but takes
+  no `tools` variable gets that format's own system prompt the same way.
 """
 
 from __future__ import annotations
 
 from hybridlm.errors import InputError
 from hybridlm.turns.codecs.base import CallCodec, PartialCall, ToolCall
-from hybridlm.turns.codecs.tagged_json import TaggedJSON
+from hybridlm.turns.codecs.llama3_json import Llama3JSON
+from hybridlm.turns.codecs.mistral import Mistral
+from hybridlm.turns.codecs.tagged_json import Hermes, TaggedJSON
 
 TAGGED_JSON = TaggedJSON()
-CODECS: dict[str, CallCodec] = {TAGGED_JSON.name: TAGGED_JSON}
+HERMES = Hermes()
+LLAMA3_JSON = Llama3JSON()
+DEFAULT = TAGGED_JSON.name
+# markers of the formats that put XML, not JSON, inside <tool_call> (Qwen3-Coder, GLM, MiniMax): not Hermes
+XML_CALLS = ("<function=", "<arg_key>", "<invoke name=")
+CODECS: dict[str, CallCodec] = {c.name: c for c in (TAGGED_JSON, HERMES, LLAMA3_JSON, Mistral())}
 
 
-def codec_for(model=None, *, name: str | None = None) -> CallCodec:
-    """The call format named `name`, else the one `model`'s family writes (the tagged-JSON
-    format for every family so far)."""
-    if name is not None:
-        if name not in CODECS:
-            raise InputError(f"call format {name!r}: expected one of {', '.join(CODECS)}")
-        return CODECS[name]
+def template_of(model) -> str:
+    """The chat template's source of a model or a tokenizer ("" when it has none)."""
+    tokenizer = getattr(model, "tokenizer", model)
+    return getattr(tokenizer, "chat_template", None) or ""
+
+
+def detect(template: str) -> CallCodec:
+    """The call format a chat template's source speaks (`tagged_json` when it names none)."""
+    if "[TOOL_CALLS]" in template:
+        if "[ARGS]" in template:
+            return Mistral(2, call_ids="[CALL_ID]" in template)
+        return Mistral(1)
+    if "<tool_call>" in template and not any(m in template for m in XML_CALLS):
+        return HERMES
+    if "<|start_header_id|>" in template and ("ipython" in template or "<|python_tag|>" in template) \
+            and "<function=" not in template:  # (Functionary's calls are XML-tagged)
+        return LLAMA3_JSON
     return TAGGED_JSON
 
 
-__all__ = ["CODECS", "TAGGED_JSON", "CallCodec", "PartialCall", "TaggedJSON", "ToolCall", "codec_for"]
+def codec_for(model=None, *, name: str | None = None) -> CallCodec:
+    """The call format named `name` (one of CODECS), else the model's own: the one its
+    `tool_call_parser` names (set by the CLI's --tool-call-parser), else the one its chat template
+    speaks (`model`: a model or its tokenizer)."""
+    template = template_of(model) if model is not None else ""
+    if name is None:
+        name = getattr(model, "tool_call_parser", None)
+    if name is not None:
+        if name not in CODECS:
+            raise InputError(f"tool-call parser {name!r}: expected one of {', '.join(CODECS)}")
+        if name == "mistral":  # the generation is the template's
+            found = detect(template)
+            return found if isinstance(found, Mistral) else CODECS[name]
+        return CODECS[name]
+    return detect(template)
+
+
+__all__ = ["CODECS", "DEFAULT", "HERMES", "LLAMA3_JSON", "TAGGED_JSON", "CallCodec", "Hermes", "Llama3JSON", "Mistral",
+           "PartialCall", "TaggedJSON", "ToolCall", "codec_for", "detect", "template_of"]

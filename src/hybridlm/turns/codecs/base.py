@@ -1,8 +1,11 @@
 """The interface of a call format: how a family of models writes tool calls and reads their results.
 
-A codec owns everything about the format and nothing else: the part of the system prompt
-that lists the tools and teaches the format, the text of an assistant turn's calls and of a
-tool turn's result, the parser of a finished turn (never raising, one line for what is
+A codec owns everything about the format and nothing else: whether the model's chat
+template renders it (`templated`: the tools reach the template through its `tools` variable,
+calls as structured `tool_calls`, results as tool turns the template wraps), else the part of
+the system prompt that lists the tools and teaches the format; the text of an assistant turn's
+calls and of a tool turn's result as the model writes and reads them, the ids its template
+accepts for calls, the parser of a finished turn (never raising, one line for what is
 wrong), the partial parser of a turn still being written (what a stream may show), and the
 llguidance grammar of a turn that may or must call (the mask of a constrained turn). The
 conversation (hybridlm.turns.protocol), the turn's constraint (hybridlm.turns.constraint)
@@ -11,17 +14,20 @@ and the hybrid system (hybridlm.turns.system) reach the format only through it.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class ToolCall:
-    """A complete call: the tool's name and its arguments (a JSON object)."""
+    """A complete call: the tool's name and its arguments (a JSON object); the id the model wrote
+    for it, where its format has one (not part of the call's identity)."""
 
     name: str
     arguments: dict
+    id: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -41,12 +47,23 @@ class CallCodec(ABC):
 
     name: str
     opening: str
+    #: the model's chat template renders this format (tools, calls, results); False for the
+    #: project's default format, taught by a system prompt of its own
+    templated: bool = True
 
     # ------------------------------------------------------------------ the prompt
     @abstractmethod
     def tools_prompt(self, schemas: Sequence[dict], *, rules: str = "") -> str:
-        """The system prompt's tool part: how to call, `rules` (extra lines of the conversation's),
-        and each tool's {"name", "description", "parameters"}."""
+        """The system prompt's tool part, for a template that does not take tools: how to call,
+        `rules` (extra lines of the conversation's), and each tool's {"name", "description", "parameters"}."""
+
+    def call_id(self, index: int, seed: str = "") -> str:
+        """An id for the index-th call of a turn, of the form the format's template accepts."""
+        return f"call_{seed}{index}"
+
+    def template_id(self, call_id: str) -> str:
+        """A client's call id as the template accepts it (the same id unless the format restricts it)."""
+        return call_id
 
     @abstractmethod
     def render_calls(self, text: str, calls: Sequence[tuple[str, str]]) -> str:
@@ -104,9 +121,21 @@ class CallCodec(ABC):
     # ------------------------------------------------------------------ the mask
     @abstractmethod
     def grammar(self, tools: dict[str, dict], choice: str, *, parallel: bool, max_calls: int | None,
-                max_string: int | None) -> str:
+                max_string: int | None, tokenizer=None) -> str:
         """The turn's grammar in llguidance's Lark format. `tools`: name → argument schema of the
         offered tools (already checked); `choice`: auto (free text until the opening, a call from
         there: lazy), required, none (text that never opens a call) or a tool's name; `parallel`:
         several calls (at most `max_calls`), else one; `max_string`: the longest free string
-        argument (hybridlm.constraints.tool_schema)."""
+        argument (hybridlm.constraints.tool_schema); `tokenizer`: the model's, where the format's
+        delimiters are control tokens of its vocabulary (`token_literal`)."""
+
+
+def token_literal(tokenizer, text: str) -> str:
+    """A delimiter in llguidance's Lark: the token `<[id]>` where the vocabulary has `text` as an added
+    token (a control token, or a user-defined one such as Qwen's `<tool_call>`, which llguidance keeps
+    apart from text too: a model writes it as that one token, never spelled out), else the quoted text."""
+    if tokenizer is not None:
+        ids = tokenizer.encode_markup(text)
+        if len(ids) == 1 and ids[0] in tokenizer.backend.get_added_tokens_decoder():
+            return f"<[{ids[0]}]>"
+    return json.dumps(text)

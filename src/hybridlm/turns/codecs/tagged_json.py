@@ -1,4 +1,11 @@
-"""The tagged-JSON call format: `<tool_call>{"name": …, "arguments": {…}}</tool_call>`.
+"""The tagged-JSON call format: `<tool_call>{"name": …, "arguments": {…}}</tool_call>`, in two codecs.
+
+- `tagged_json`, the project's default format, for a model whose chat template takes no tools
+  (a base model, SmolLM2): a system prompt of the project's own teaches it, and results are
+  wrapped in `<tool_response>` tags by the codec.
+- `hermes`, the format of the models trained on it (Qwen2.5, Qwen3, Hermes 2/3, SmolLM3): their
+  template lists the tools, writes each call on lines of its own between the tags and wraps the
+  results; the grammar writes calls as the template does.
 
 A call is a JSON object with the tool's name and its arguments between the tags; several
 calls in one turn follow each other (a newline between them allowed) and end the turn. A
@@ -19,7 +26,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from hybridlm.constraints import library
 from hybridlm.constraints.calls import argument_schemas
-from hybridlm.turns.codecs.base import CallCodec, PartialCall, ToolCall
+from hybridlm.turns.codecs.base import CallCodec, PartialCall, ToolCall, token_literal
 from hybridlm.turns.codecs.json_text import as_json, closing_tag, scan_object
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -129,32 +136,61 @@ def call_text(name: str, arguments: dict) -> str:
 
 
 # ---------------------------------------------------------------------- the grammar
-def _call_schema(name: str, arguments: dict) -> dict:
-    return {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
-            "required": ["name", "arguments"], "additionalProperties": False}
+def _call_schema(name: str, arguments: dict, name_key: str = "name", arguments_key: str = "arguments",
+                 extra: dict | None = None) -> dict:
+    properties = {name_key: {"const": name}, arguments_key: arguments, **(extra or {})}
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
 
 
-def lark(tools: dict[str, dict], choice: str, parallel: bool, max_calls: int | None, max_string: int | None) -> str:
-    """The turn's grammar in llguidance's Lark format, each call's JSON an inline %json schema."""
-    free = "TEXT: /(?s:.*)/"
-    if choice == "none":
-        return f"start: NO_CALL\nNO_CALL: /(?s:.*)/ & ~/(?s:.*){OPEN}(?s:.*)/\n"
+def call_body(tools: dict[str, dict], max_string: int | None, *, name_key: str = "name",
+              arguments_key: str = "arguments", extra: dict | None = None) -> str:
+    """An inline %json schema of one call's object: the name one of `tools`, the arguments its schema."""
     arguments, defs = argument_schemas(tools, max_string)
-    body: dict = {"anyOf": [_call_schema(n, arguments[n]) for n in tools],
+    body: dict = {"anyOf": [_call_schema(n, arguments[n], name_key, arguments_key, extra) for n in tools],
                   "x-guidance": {**library.JSON_FORMAT, "lenient": True}}
     if defs:
         body["$defs"] = defs
-    more = "" if not parallel else (f' ("\\n"? call){{0,{max_calls - 1}}}' if max_calls else ' ("\\n"? call)*')
+    return f"%json {json.dumps(body)}"
+
+
+def repeat(parallel: bool, max_calls: int | None, separator: str = '"\\n"?') -> str:
+    """The Lark suffix of the calls after the first: none, at most max_calls − 1, or any number."""
+    if not parallel:
+        return ""
+    return f" ({separator} call){{0,{max_calls - 1}}}" if max_calls else f" ({separator} call)*"
+
+
+def no_call(opening: str) -> str:
+    """The Lark rule of a turn's text that never writes `opening`."""
+    return f"start: NO_CALL\nNO_CALL: /(?s:.*)/ & ~/(?s:.*){_regex(opening)}(?s:.*)/\n"
+
+
+def _regex(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "_<>" else "\\" + c for c in text)
+
+
+def lark(tools: dict[str, dict], choice: str, parallel: bool, max_calls: int | None, max_string: int | None,
+         *, pad: str = "", tokenizer=None) -> str:
+    """The turn's grammar in llguidance's Lark format, each call's JSON an inline %json schema
+    between the tags (`pad`: the text between a tag and the JSON, as the template writes it; a tag
+    that is a control token of the vocabulary, as Qwen's are, written as that token)."""
+    if choice == "none":  # (a control token is never allowed where the grammar does not name it)
+        return no_call(OPEN)
+    p = json.dumps(pad)
+    opening, closing = token_literal(tokenizer, OPEN), token_literal(tokenizer, CLOSE)
     lines = [
-        f"body: %json {json.dumps(body)}",
-        f'call: "{OPEN}" body "{CLOSE}"',
+        f"body: {call_body(tools, max_string)}",
+        f"call: {opening} {p} body {p} {closing}",
     ]
-    if choice == "auto":
+    more = repeat(parallel, max_calls)
+    if choice == "auto" and opening.startswith("<["):  # free text cannot hold a token: it ends where the call opens
+        lines += ["start: TEXT | TEXT call" + more, "TEXT: /(?s:.*)/"]
+    elif choice == "auto":
         lines += [
-            "start: TEXT | head body rest",
-            free,
-            f'head[lazy]: TEXT "{OPEN}"',
-            f'rest: "{CLOSE}"{more}',
+            f"start: TEXT | head {p} body rest",
+            "TEXT: /(?s:.*)/",
+            f"head[lazy]: TEXT {opening}",
+            f"rest: {p} {closing}{more}",
         ]
     else:
         lines += [f"start: call{more}"]
@@ -167,12 +203,15 @@ class TaggedJSON(CallCodec):
 
     name = "tagged_json"
     opening = OPEN
+    templated = False
+    pad = ""  # the text between a tag and the call's JSON
 
     def tools_prompt(self, schemas: Sequence[dict], *, rules: str = "") -> str:
         return INSTRUCTIONS + rules + TOOLS_HEADER + "\n".join(as_json(s) for s in schemas)
 
     def render_calls(self, text: str, calls: Sequence[tuple[str, str]]) -> str:
-        return text + "\n".join(f'{OPEN}{{"name": {as_json(name)}, "arguments": {arguments}}}{CLOSE}'
+        p = self.pad
+        return text + "\n".join(f'{OPEN}{p}{{"name": {as_json(name)}, "arguments": {arguments}}}{p}{CLOSE}'
                                 for name, arguments in calls)
 
     def render_result(self, result: str) -> str:
@@ -201,5 +240,17 @@ class TaggedJSON(CallCodec):
         return text.rsplit(OPEN, 1)[-1].split(CLOSE)[0]
 
     def grammar(self, tools: dict[str, dict], choice: str, *, parallel: bool, max_calls: int | None,
-                max_string: int | None) -> str:
-        return lark(tools, choice, parallel, max_calls, max_string)
+                max_string: int | None, tokenizer=None) -> str:
+        return lark(tools, choice, parallel, max_calls, max_string, pad=self.pad, tokenizer=tokenizer)
+
+
+class Hermes(TaggedJSON):
+    """The Hermes format as Qwen2.5/Qwen3, Hermes 2/3 and SmolLM3 are trained on it: the template lists
+    the tools and wraps the results; a call is `<tool_call>\\n{"name": …, "arguments": {…}}\\n</tool_call>`."""
+
+    name = "hermes"
+    templated = True
+    pad = "\n"
+
+    def render_result(self, result: str) -> str:
+        return f"{RESPONSE_OPEN}\n{result}\n{RESPONSE_CLOSE}"
