@@ -31,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import Generator
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -513,7 +514,7 @@ def _on_rows(fn, members: set):
     return observing(on_rows) if getattr(fn, "observes", False) else on_rows
 
 
-def _advance(steps: Generator) -> tuple[bool, object]:
+def _advance(steps: Generator) -> tuple[bool, Any]:
     """One step of a generator: (False, what it yielded) or (True, what it returned)."""
     try:
         return False, next(steps)

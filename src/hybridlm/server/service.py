@@ -134,11 +134,13 @@ class Counters:
 class Service:
     """The engine of a server: started once, stepped by its own thread until closed."""
 
-    def __init__(self, model, *, model_id: str, tools=None, max_batch: int = 32, max_queue: int = 256,
+    def __init__(self, model, *, model_id: str | tuple[str, ...], tools=None, max_batch: int = 32, max_queue: int = 256,
                  prefix_cache_mb: float = 256, continuation_mb: float = 256, max_arcs: int = 1000,
                  context: ContextPolicy | str = ContextPolicy(), max_jumps: int = 3) -> None:
         self.model = model
-        self.model_id = model_id
+        # the names a request's `model` may give (--served-model-name): the first is the model's id
+        self.names = (model_id,) if isinstance(model_id, str) else tuple(model_id)
+        self.model_id = self.names[0]
         self.tokenizer = model.tokenizer
         self.tools = tools  # a ToolRegistry the server runs itself, or None
         self.max_batch, self.max_queue, self.max_jumps = max_batch, max_queue, max_jumps
