@@ -184,7 +184,8 @@ def lark(tools: dict[str, dict], choice: str, parallel: bool, max_calls: int | N
     ]
     more = repeat(parallel, max_calls)
     if choice == "auto" and opening.startswith("<["):  # free text cannot hold a token: it ends where the call opens
-        lines += ["start: TEXT | TEXT call" + more, "TEXT: /(?s:.*)/"]
+        # (a call may open the turn: the text before it may be empty, which a lexeme of its own cannot be)
+        lines += ["start: TEXT | TEXT call" + more + " | call" + more, "TEXT: /(?s:.*)/"]
     elif choice == "auto":
         lines += [
             f"start: TEXT | head {p} body rest",
