@@ -1,0 +1,100 @@
+"""The call formats (hybridlm.turns.codecs) against llama.cpp: its templates choose the codec, the
+tool-call strings of its tests/test-chat.cpp parse to the names, arguments and ids it expects, and
+every codec's rendering of a call parses back (a property)."""
+
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from hybridlm.turns.codecs import CODECS, Hermes, Llama3JSON, Mistral, TaggedJSON, ToolCall, detect
+
+ONE = ToolCall("special_function", {"arg1": 1})
+TWO = ToolCall("special_function_with_opt", {"arg1": 1, "arg2": 2})
+
+
+@pytest.fixture(scope="module")
+def test_chat(llama_cpp_source) -> str:
+    """llama.cpp's tests/test-chat.cpp with its C string escapes undone (the strings as the model writes them)."""
+    return (llama_cpp_source / "tests" / "test-chat.cpp").read_text(encoding="utf-8").replace("\\n", "\n") \
+        .replace('\\"', '"')
+
+
+@pytest.mark.parametrize("template, kind, generation, call_ids", [
+    ("Qwen-Qwen2.5-7B-Instruct", Hermes, None, None),
+    ("Qwen-Qwen3-0.6B", Hermes, None, None),
+    ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use", Hermes, None, None),
+    ("meta-llama-Llama-3.1-8B-Instruct", Llama3JSON, None, None),
+    ("meta-llama-Llama-3.3-70B-Instruct", Llama3JSON, None, None),
+    ("mistralai-Mistral-Nemo-Instruct-2407", Mistral, 1, False),
+    ("Mistral-Small-3.2-24B-Instruct-2506", Mistral, 2, True),
+    ("Qwen3-Coder", TaggedJSON, None, None),  # XML inside <tool_call>: not Hermes' JSON
+    ("google-gemma-2-2b-it", TaggedJSON, None, None),  # no tools in the template: the default format
+])
+def test_the_template_chooses_the_codec(llama_cpp_source, template, kind, generation, call_ids):
+    source = (llama_cpp_source / "models" / "templates" / f"{template}.jinja").read_text(encoding="utf-8")
+    codec = detect(source)
+    assert type(codec) is kind
+    if kind is Mistral:
+        assert (codec.generation, codec.call_ids) == (generation, call_ids)
+
+
+@pytest.mark.parametrize("codec, text, calls, ids", [
+    (CODECS["hermes"], '<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}\n</tool_call>', [ONE], None),
+    (CODECS["hermes"], '<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}</tool_call>', [ONE], None),
+    (CODECS["hermes"], '<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}\n</tool_call>\n'
+                       '<tool_call>\n{"name": "special_function_with_opt", "arguments": {"arg1": 1, "arg2": 2}}\n'
+                       '</tool_call>', [ONE, TWO], None),
+    (Mistral(1), '[TOOL_CALLS][{"name": "special_function", "arguments": {"arg1": 1}, "id": "123456789"}]', [ONE],
+     ["123456789"]),
+    (Mistral(2), '[TOOL_CALLS]special_function[ARGS]{"arg1":1}', [ONE], None),
+    (Mistral(2), '[TOOL_CALLS]special_function[ARGS]{"arg1": 1}[TOOL_CALLS]special_function_with_opt[ARGS]'
+                 '{"arg1": 1, "arg2": 2}', [ONE, TWO], None),
+    (Mistral(2, call_ids=True), '[TOOL_CALLS]special_function[CALL_ID]123456789[ARGS]{"arg1": 1}', [ONE],
+     ["123456789"]),
+])
+def test_llama_cpp_tool_call_strings_parse(test_chat, codec, text, calls, ids):
+    # (the case is llama.cpp's own; one written there as adjacent C strings, a call each, is checked call by call)
+    pieces = ["[TOOL_CALLS]" + p for p in text.split("[TOOL_CALLS]")[1:]] if text.startswith("[TOOL_CALLS]") else [text]
+    assert all(piece in test_chat for piece in pieces)
+    parsed, error = codec.parse(text, tools=["special_function", "special_function_with_opt"])
+    assert error is None and parsed == calls
+    if ids is not None:
+        assert [c.id for c in parsed] == ids
+
+
+@pytest.mark.parametrize("codec, cut", [
+    (CODECS["hermes"], '<tool_call>\n{"name": "special_function", "arguments": {"arg1":'),
+    (CODECS["hermes"], '<tool_call>\n{"name": "special_function", "arguments": {"arg'),
+])
+def test_a_cut_off_call_is_seen_as_far_as_written(test_chat, codec, cut):
+    assert cut in test_chat
+    assert codec.is_open(cut)
+    (partial,) = codec.scan(cut, final=False)
+    assert partial.name == "special_function" and not partial.complete
+    assert codec.complete_calls(cut) == []
+
+
+def test_llama3_json_calls_parse():
+    codec = CODECS["llama3_json"]
+    for text in ('{"name": "special_function", "parameters": {"arg1": 1}}',
+                 '<|python_tag|>{"name": "special_function", "parameters": {"arg1": 1}}',
+                 '{"name": "special_function", "arguments": {"arg1": 1}}'):
+        assert codec.parse(text, tools=["special_function"]) == ([ONE], None), text
+
+
+NAMES = st.from_regex(r"[a-z][a-z0-9_]{0,15}", fullmatch=True)
+VALUES = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.text(max_size=12),
+                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                  max_size=3), max_leaves=6)
+ARGUMENTS = st.dictionaries(st.from_regex(r"[a-z_]{1,8}", fullmatch=True), VALUES, max_size=4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(codec=st.sampled_from([CODECS["tagged_json"], CODECS["hermes"], CODECS["llama3_json"], Mistral(1), Mistral(2)]),
+       calls=st.lists(st.tuples(NAMES, ARGUMENTS), min_size=1, max_size=3))
+def test_a_rendered_call_parses_back(codec, calls):
+    text = codec.render_calls("", [(name, json.dumps(arguments, ensure_ascii=False)) for name, arguments in calls])
+    parsed, error = codec.parse(text, tools=[name for name, _ in calls])
+    assert error is None, (text, error)
+    assert parsed == [ToolCall(name, arguments) for name, arguments in calls]
