@@ -31,9 +31,10 @@ class ScriptedModel:
     source = "scripted"
 
     def __init__(self, tokenizer, script: list[str], *, n_ctx: int = 4096, delay_s: float = 0.0) -> None:
+    # (a script is what the model writes: its own control tokens, such as the end of its turn, are tokens)
         self.tokenizer = tokenizer
         self.config = Config(n_ctx, tokenizer.vocab_size)
-        self.script = deque(i for piece in script for i in tokenizer.encode(piece))
+        self.script = deque(i for piece in script for i in tokenizer.encode_markup(piece))
         self.delay_s = delay_s
         self.contexts: list[list[int]] = []  # s after every F, for inspection
 
@@ -71,7 +72,7 @@ class ScriptsModel(ScriptedModel):
 
     def __init__(self, tokenizer, scripts: list[list[str]], *, n_ctx: int = 4096, delay_s: float = 0.0) -> None:
         super().__init__(tokenizer, [], n_ctx=n_ctx, delay_s=delay_s)
-        self.scripts = deque(deque(i for piece in script for i in tokenizer.encode(piece)) for script in scripts)
+        self.scripts = deque(deque(i for piece in script for i in tokenizer.encode_markup(piece)) for script in scripts)
 
     def init_state(self, ids) -> ScriptsState:
         return ScriptsState(truncate(list(ids), self.config.n_ctx), self.scripts.popleft() if self.scripts else deque())
