@@ -31,7 +31,7 @@ class ScriptedModel:
     source = "scripted"
 
     def __init__(self, tokenizer, script: list[str], *, n_ctx: int = 4096, delay_s: float = 0.0) -> None:
-    # (a script is what the model writes: its own control tokens, such as the end of its turn, are tokens)
+        # (a script is what the model writes: its own control tokens, such as the end of its turn, are tokens)
         self.tokenizer = tokenizer
         self.config = Config(n_ctx, tokenizer.vocab_size)
         self.script = deque(i for piece in script for i in tokenizer.encode_markup(piece))
