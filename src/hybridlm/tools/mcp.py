@@ -234,8 +234,10 @@ class MCPServers:
         from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
 
         where = f"{conn.name}/{name}"
-        if conn.dead and not self._revive(conn):
-            return Observation(f"error: MCP server {conn.name} cannot be reached ({conn.dead})", "server_disconnected")
+        # (a session being reset in the background has no client yet: _revive waits for it under the lock)
+        if (conn.dead or conn.client is None) and (not self._revive(conn) or conn.client is None):
+            why = conn.dead or "reconnecting"
+            return Observation(f"error: MCP server {conn.name} cannot be reached ({why})", "server_disconnected")
         future = asyncio.run_coroutine_threadsafe(
             conn.client.call_tool(name, arguments, read_timeout_seconds=self.timeout_s), self._loop)
         try:
