@@ -353,8 +353,7 @@ def _stream_safetensors(path: Path, weights: Weights, metadata: dict[str, str], 
     if progress is not None:
         from tqdm import tqdm
 
-        # disable=None: a bar on a terminal only; piped stderr (a log, a caller reading one error line) stays clean
-        names = tqdm(names, desc=progress, unit=" tensors", file=sys.stderr, disable=None,
+        names = tqdm(names, desc=progress, unit=" tensors", file=sys.stderr,
                      bar_format="{desc}: {n_fmt}/{total_fmt} tensors {bar:20} {elapsed}")
     with open(path, "wb") as sink:
         sink.write(len(raw).to_bytes(8, "little") + raw)
