@@ -258,10 +258,11 @@ class MCPServers:
 
     def _disconnected(self, conn: _Connection, where: str, exc: BaseException) -> Observation:
         tail = conn.stderr_tail()
-        conn.dead = f"disconnected during a call to {where} ({_reason(exc)})" + (f"; its stderr: {tail}" if tail else "")
+        why = f"disconnected during a call to {where} ({_reason(exc)})" + (f"; its stderr: {tail}" if tail else "")
+        conn.dead = why  # (read back from `why`: the reconnection below may clear it at once)
         # reconnected in the background at once (a later call finds the new session, or waits for it)
         threading.Thread(target=self._revive, args=(conn,), name="mcp-reconnect", daemon=True).start()
-        return Observation(f"error: MCP server {conn.name} {conn.dead}", "server_disconnected")
+        return Observation(f"error: MCP server {conn.name} {why}", "server_disconnected")
 
     def _revive(self, conn: _Connection) -> bool:
         """A broken session reset and connected anew (the process restarted for stdio), at most once per
