@@ -18,8 +18,6 @@ several tasks on one engine, and the others keep generating meanwhile.
 
 from __future__ import annotations
 
-import dataclasses
-
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -218,13 +216,10 @@ def replay(trace_path: str | Path, model) -> tuple[Arc, bool, int | None]:
     tools = ToolRegistry()
     for schema in start["tools"]:
         tools.register(Tool(schema["name"], schema["description"], schema["parameters"], _not_called))
-    # The recording bounds the replay: no more token steps or jumps than it holds (a forged budget in
-    # the start event cannot make it run on), which a faithful replay never needs.
+    # (the limits stay the recording's: the turn's constraint reads its budget, so a smaller one would change
+    # the tokens near its end; bounding a forged budget needs a horizon of its own)
     jumps = [e for e in events if e["event"] == "jump"]
-    limits = Limits(**start["limits"])
-    limits = dataclasses.replace(limits, max_token_steps=max(1, min(limits.max_token_steps, len(recorded))),
-                                 max_jumps=min(limits.max_jumps, len(jumps)))
-    agent = HybridAgent(model, tools, kernel=Kernel(**start["kernel"]), limits=limits,
+    agent = HybridAgent(model, tools, kernel=Kernel(**start["kernel"]), limits=Limits(**start["limits"]),
                         tool_choice=start["tool_choice"], seed=start["seed"], constrain=start.get("constrain", True),
                         parallel_tool_calls=start.get("parallel_tool_calls", False),
                         context=start.get("context") or ContextPolicy())
