@@ -184,7 +184,7 @@ def lark(tools: dict[str, dict], choice: str, parallel: bool, max_calls: int | N
     ]
     more = repeat(parallel, max_calls)
     if choice == "auto" and opening.startswith("<["):  # free text cannot hold a token: it ends where the call opens
-        # (a call may open the turn: the text before it may be empty, which a lexeme of its own cannot be)
+        # (a call may also open the turn, with no text before it)
         lines += ["start: TEXT | TEXT call" + more + " | call" + more, "TEXT: /(?s:.*)/"]
     elif choice == "auto":
         lines += [
