@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 
 from hybridlm.turns.codecs.base import CallCodec, PartialCall, ToolCall
 from hybridlm.turns.codecs.json_text import as_json, scan_object
-from hybridlm.turns.codecs.tagged_json import call_body, no_call, repeat
+from hybridlm.turns.codecs.tagged_json import call_body, no_call, read_call, repeat
 
 PYTHON_TAG = "<|python_tag|>"
 SEPARATOR = "; "
@@ -90,38 +90,13 @@ class Llama3JSON(CallCodec):
         for i, j in _objects(text, start, partial=partial):
             if j < 0:
                 break
-            call, error = self._one(text[i:j], names)
+            call, error = read_call(text[i:j], names, keys=("parameters", "arguments"), exact=False)
             if error is not None or call is None:
                 return calls, f"call {len(calls) + 1}: {error}"
             calls.append(call)
         if not calls and not partial:
             return [], "the call is not a JSON object"
         return calls, None
-
-    @staticmethod
-    def _one(body: str, names: set[str] | None) -> tuple[ToolCall | None, str | None]:
-        try:
-            obj = json.loads(body)
-        except RecursionError:
-            return None, "JSON nested too deeply"
-        except ValueError as exc:
-            return None, f"not JSON ({str(exc).splitlines()[0][:120]})"
-        if not isinstance(obj, dict):
-            return None, f"expected an object, got a JSON {type(obj).__name__}"
-        name = obj.get("name")
-        arguments = obj.get("parameters", obj.get("arguments", {}))
-        if not isinstance(name, str):
-            return None, '"name" must be a string'
-        if names is not None and name not in names:
-            return None, f"unknown tool {name[:80]!r}; tools: {sorted(names)[:8]}"
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except (ValueError, RecursionError):
-                return None, '"parameters" is a string that is not a JSON object'
-        if not isinstance(arguments, dict):
-            return None, '"parameters" must be an object'
-        return ToolCall(name, arguments), None
 
     def complete_calls(self, text: str, tools: Iterable[str] | None = None) -> list[ToolCall]:
         try:

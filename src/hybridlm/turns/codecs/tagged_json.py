@@ -99,6 +99,13 @@ def call_is_open(text: str) -> bool:
 def _one_call(body: str, names: set[str] | None) -> tuple[ToolCall | None, str | None]:
     if len(body) > MAX_CALL_CHARS:
         return None, f"{len(body)} characters, more than {MAX_CALL_CHARS}"
+    return read_call(body, names)
+
+
+def read_call(body: str, names: set[str] | None, *, keys: tuple[str, ...] = ("arguments",),
+              exact: bool = True) -> tuple[ToolCall | None, str | None]:
+    """One call's JSON object: its "name" (one of `names`, when given) and its arguments under the first of
+    `keys` it has (an object, or a JSON string of one); `exact`: no other key. Never raises."""
     try:
         obj = json.loads(body)
     except RecursionError:
@@ -106,8 +113,9 @@ def _one_call(body: str, names: set[str] | None) -> tuple[ToolCall | None, str |
     except ValueError as exc:
         return None, f"not JSON ({str(exc).splitlines()[0][:120]})"
     if not isinstance(obj, dict):
-        return None, f'expected {{"name": ..., "arguments": {{...}}}}, got a JSON {type(obj).__name__}'
-    name, arguments = obj.get("name"), obj.get("arguments", {})
+        return None, f'expected {{"name": ..., "{keys[0]}": {{...}}}}, got a JSON {type(obj).__name__}'
+    key = next((k for k in keys if k in obj), keys[0])
+    name, arguments = obj.get("name"), obj.get(key, {})
     if not isinstance(name, str):
         return None, f'"name" must be a string, got {_short(name)}'
     if names is not None and name not in names:
@@ -116,12 +124,12 @@ def _one_call(body: str, names: set[str] | None) -> tuple[ToolCall | None, str |
         try:
             arguments = json.loads(arguments)
         except (ValueError, RecursionError):
-            return None, '"arguments" is a string that is not a JSON object'
+            return None, f'"{key}" is a string that is not a JSON object'
     if not isinstance(arguments, dict):
-        return None, f'"arguments" must be an object, got {_short(arguments)}'
-    extra = set(obj) - {"name", "arguments"}
-    if extra:
-        return None, f"unexpected keys {sorted(extra)[:4]} beside name and arguments"
+        return None, f'"{key}" must be an object, got {_short(arguments)}'
+    extra = set(obj) - {"name", *keys}
+    if exact and extra:
+        return None, f"unexpected keys {sorted(extra)[:4]} beside name and {key}"
     return ToolCall(name, arguments), None
 
 
