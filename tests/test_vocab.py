@@ -438,6 +438,23 @@ def test_a_special_token_of_one_character_is_refused():
         tokenizer_from_metadata(meta, name="x")
 
 
+@pytest.mark.parametrize("tokens, types, merges, text", [
+    (["a", "b", "Ā", "Ģ"], [1, 1, 3, 1], [], "\x00"),  # Ā is byte 0x00: any text holding a NUL
+    (["a", "b", "Ā", "Ģ"], [1, 1, 1, 3], [], "⨀"),  # Ģ is byte 0x80, inside ⨀ (E2 A8 80)
+    (["a", "b", "ab", "<x>"], [1, 1, 3, 3], ["a b"], "ab"),  # a merge reaches the control token
+])
+def test_a_byte_level_control_token_that_text_reaches_is_refused(tokens, types, merges, text):
+    """A byte-level BPE whose control token is one byte's symbol (or a merge's result) writes it for a text
+    that is not the token's own text: the vocabulary is refused, whatever the special token's spelling."""
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.merges": merges, "tokenizer.ggml.pre": "default"}
+    special = types.index(3)
+    with pytest.raises(WeightsError, match=f"into the special token {special}"):
+        tokenizer_from_metadata(meta, name="x")
+    meta["tokenizer.ggml.token_type"] = [1] * len(tokens)  # the reference: the same text without the control type
+    assert special in tokenizer_from_metadata(meta, name="x").encode(text)
+
+
 def test_a_tokenizer_json_whose_ids_collide_is_refused(vocab, tmp_path):
     _, tok, _ = vocab("gpt-2")
     folder = write_folder(tok, tmp_path / "f")

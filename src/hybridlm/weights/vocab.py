@@ -363,16 +363,27 @@ def _distinct_ids(backend: HFTokenizer, origin: str) -> dict[str, int]:
 
 
 def _check_text_is_text(tok: Tokenizer, origin: str) -> None:
-    """Refuse a tokenizer whose model spells a special token from text (merges that reach one, a special
-    token of one character, a word list that holds one, a byte fallback `<0xNN>` that is one): untrusted
-    text could then open or close a turn. One encoding per special token; no vocabulary of the families
-    hybridlm runs fails it."""
-    byte_fallback = getattr(tok.backend.model, "byte_fallback", False)
-    for i in sorted(tok.special_ids):
-        content = tok.backend.id_to_token(i)
-        if content and (i in tok.encode(content) or byte_fallback and re.fullmatch(r"<0x[0-9A-F]{2}>", content)):
-            raise WeightsError(f"{origin}: its model turns the text {content[:40]!r} into the special token {i}, "
-                               "so untrusted text could produce it; hybridlm refuses such vocabularies")
+    """Refuse a tokenizer whose model can spell a special token from text: untrusted text could then open or
+    close a turn. Each special token's text is encoded as a text, and given to the model's merges as a word
+    (for byte-level BPE a word's symbols are bytes, which may sit inside any character of a text); a byte
+    fallback `<0xNN>` is refused too. No vocabulary of the families hybridlm runs fails it."""
+    model = tok.backend.model
+    byte_fallback = getattr(model, "byte_fallback", False)
+    # A model that looks a whole word up before merging (Llama 3's) finds every token so; whether a text can
+    # hold that word is the pre-tokenizer's matter, which encoding the text decides.
+    whole_words = getattr(model, "ignore_merges", False)
+    try:
+        if whole_words:
+            model.ignore_merges = False
+        for i in sorted(tok.special_ids):
+            content = tok.backend.id_to_token(i)
+            if content and (any(t.id == i for t in model.tokenize(content)) or i in tok.encode(content)
+                            or byte_fallback and re.fullmatch(r"<0x[0-9A-F]{2}>", content)):
+                raise WeightsError(f"{origin}: its model turns the text {content[:40]!r} into the special token {i}, "
+                                   "so untrusted text could produce it; hybridlm refuses such vocabularies")
+    finally:
+        if whole_words:
+            model.ignore_merges = True
 
 
 def _json_object(path: Path) -> dict:
