@@ -89,6 +89,7 @@ class SoftPrefix(Controller):
     """The context input P, held for a run (prefilled before the prompt)."""
 
     order = 0
+    prefix: torch.Tensor  # always set, unlike a controller's default None
 
     def __init__(self, prefix: torch.Tensor):
         if not isinstance(prefix, torch.Tensor) or prefix.dim() != 2 or not bool(torch.isfinite(prefix).all()):

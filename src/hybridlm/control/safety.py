@@ -22,7 +22,7 @@ import torch
 from hybridlm.control.controllers import Controller, Observation, register
 from hybridlm.control.inputs import KernelInput, residual_point
 from hybridlm.errors import HybridLMError, InputError
-from hybridlm.lm.state import ForkedState
+from hybridlm.lm.state import ForkedState, KVState
 
 ON_EMPTY = ("stop", "unfiltered", "raise")
 
@@ -150,7 +150,9 @@ class HiddenBarrier(Barrier):
     @torch.no_grad()
     def unsafe_next(self, obs: Observation) -> torch.Tensor:
         z, x = obs.z, obs.state
-        if z.shape[0] != 1 or getattr(x, "batch", 1) != 1:
+        if not isinstance(x, KVState):  # a fork of successors is built from keys and values
+            raise InputError(f"a hidden-state barrier needs a transformer's KV state, not a {type(x).__name__}")
+        if z.shape[0] != 1 or x.batch != 1:
             raise InputError("a hidden-state barrier acts on one sequence at a time (the engine gives it one row)")
         if bool((x.tokens < 0).any()):
             raise InputError("a hidden-state barrier cannot fork a context that holds a soft prefix")

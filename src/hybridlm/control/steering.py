@@ -102,6 +102,10 @@ class Steering(Controller):
     """u(ℓ, t) = α v at every position ≥ from_pos (default: all)."""
 
     order = 0
+    vector: ContrastVector
+    layer: int
+    scale: float
+    from_pos: int
 
     def __init__(self, vector: ContrastVector | torch.Tensor, *, layer: int | None = None, scale: float = 1.0,
                  from_pos: int = 0):

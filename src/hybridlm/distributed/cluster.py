@@ -8,6 +8,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
+from typing import TypedDict
 
 from hybridlm.distributed.pool import LocalPool, RayPool
 from hybridlm.errors import InputError
@@ -54,6 +55,15 @@ def open_pool(use_ray: bool = False, address: str | None = None, *, device: str 
             ray.shutdown()
 
 
+class _NodeArgs(TypedDict):
+    """The arguments of each node of `local_cluster` (Ray's `Cluster.add_node`)."""
+
+    node_ip_address: str
+    include_dashboard: bool
+    num_cpus: int
+    object_store_memory: int
+
+
 @contextlib.contextmanager
 def local_cluster(nodes: int = 2, *, cpus_per_node: int = 1, object_store_mb: int = 80) -> Iterator[object]:
     """A Ray cluster of `nodes` nodes on this machine, every process listening on 127.0.0.1,
@@ -79,9 +89,9 @@ def local_cluster(nodes: int = 2, *, cpus_per_node: int = 1, object_store_mb: in
 
         if services.get_node_ip_address() != "127.0.0.1":
             raise RuntimeError("local_cluster: Ray was imported before; start the cluster before anything imports Ray")
-        node = dict(node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=cpus_per_node,
-                    object_store_memory=object_store_mb * 2**20)
-        cluster = Cluster(initialize_head=True, head_node_args=node)
+        node = _NodeArgs(node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=cpus_per_node,
+                         object_store_memory=object_store_mb * 2**20)
+        cluster = Cluster(initialize_head=True, head_node_args=dict(node))
         for _ in range(nodes - 1):
             cluster.add_node(**node)
         cluster.wait_for_nodes()

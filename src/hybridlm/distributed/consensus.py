@@ -61,6 +61,7 @@ class ShardedConsensus:
         self.cfg, self.out, self.device = cfg, Path(out), device
         self.out.mkdir(parents=True, exist_ok=True)
         saved = load_checkpoint(cfg, self.out)  # another run in this folder is an error
+        self.h: torch.Tensor | None  # the states the saved passes left (None: start afresh)
         self.h, self.done = saved if saved is not None else (None, 0)
         self.start_pass = self.done + 1
         self.spans = split(cfg.prompts, shard_prompts) if self.start_pass <= cfg.passes else []

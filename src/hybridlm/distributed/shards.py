@@ -32,7 +32,7 @@ class ShardStore:
     def path(self, start: int, stop: int, suffix: str) -> Path:
         return self.folder / f"{start:06d}-{stop:06d}{suffix}"
 
-    def write(self, start: int, stop: int, suffix: str, save: Callable[[Path], None]) -> Path:
+    def write(self, start: int, stop: int, suffix: str, save: Callable[[Path], object]) -> Path:
         """Run save(temporary path), then move the file into place."""
         self.folder.mkdir(parents=True, exist_ok=True)
         final = self.path(start, stop, suffix)

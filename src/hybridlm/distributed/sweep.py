@@ -29,6 +29,7 @@ import itertools
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -223,7 +224,9 @@ def run_sweep(sweep: Sweep, out: str | Path, pool, *, on_run=None, on_shard=None
 def _labels(runs: list[SweepRun]) -> dict[str, str]:
     """Each run's label in a figure: its model and the fields that differ between the figure's runs."""
     varying = [k for k in FIELDS if k != "model" and len({getattr(r.config, k) for r in runs}) > 1]
-    show = {"attention_only": lambda v: "attention only" if v else "full model", "seed": lambda v: f"seed {v}",
-            "prompts": lambda v: f"{v} prompts", "prompt_len": lambda v: f"{v} tokens", "passes": lambda v: f"{v} passes",
-            "weights": str, "block": lambda v: f"{v} block"}
+    show: dict[str, Callable[[object], str]] = {
+        "attention_only": lambda v: "attention only" if v else "full model", "seed": lambda v: f"seed {v}",
+        "prompts": lambda v: f"{v} prompts", "prompt_len": lambda v: f"{v} tokens", "passes": lambda v: f"{v} passes",
+        "weights": str, "block": lambda v: f"{v} block",
+    }
     return {r.name: " · ".join([r.config.model, *(show[k](getattr(r.config, k)) for k in varying)]) for r in runs}

@@ -18,12 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybridlm.engine.sampling import Kernel
 from hybridlm.errors import InputError
 from hybridlm.lm.capture import Recorder
+
+if TYPE_CHECKING:
+    from hybridlm.lm.state import KVState
+    from hybridlm.ssm.state import SSMState
 
 NEG_INF = float("-inf")
 TEXT_TAIL = 256  # characters of the prompt kept as the text a barrier sees
@@ -61,7 +66,7 @@ class Observation:
 
     t: int  # token step about to be taken (1 for the first generated token)
     z: torch.Tensor  # logits [B, V], with the inputs of earlier controllers applied
-    state: object  # the KVState x_t
+    state: KVState | SSMState  # the state x_t
     texts: list[str]  # the text of each row: the prompt's tail and the generated text
     stop_ids: set[int]
     kernel: Kernel  # the Kernel p is shaped by

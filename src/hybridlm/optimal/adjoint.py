@@ -169,7 +169,7 @@ def forward(net: Network, x: torch.Tensor) -> Trajectory:
         if net.b is not None:
             v = v + net.b[k]
         V.append(v)
-        Z.append(Z[-1] + net.w[k] * sigma(v) if net.residual else sigma(v))
+        Z.append(Z[-1] + net.w[k] * sigma(v) if net.w is not None else sigma(v))
     return Trajectory(torch.stack(Z), torch.stack(V))
 
 
@@ -184,7 +184,7 @@ def adjoint(net: Network, traj: Trajectory, lam_end: torch.Tensor) -> torch.Tens
     for k in reversed(range(net.depth - 1)):
         r = dsigma(traj.V[k]) * lams[-1]  # r(k+1) = diag(σ′(v(k+1))) λ(k+1)
         back = r @ net.W[k]  # rows: (W(k)ᵀ r(k+1))ᵀ
-        lams.append(lams[-1] + net.w[k] * back if net.residual else back)
+        lams.append(lams[-1] + net.w[k] * back if net.w is not None else back)
     return torch.stack(lams[::-1])
 
 
@@ -197,7 +197,7 @@ def gradients(net: Network, traj: Trajectory, lam: torch.Tensor) -> Gradients:
     act = activation(net.act)
     R = act.dsigma(traj.V) * lam[1:]  # [ℓ−1, s, n]: R[k-1] = r(k+1)
     dW = -torch.einsum("ksa,ksb->kab", R, traj.Z[:-1])
-    if not net.residual:
+    if net.w is None:
         return Gradients(dW)
     dw = -(lam[1:] * act.sigma(traj.V)).sum(dim=(1, 2))
     db = -net.w[:, None] * R.sum(dim=1) if net.b is not None else None
@@ -229,8 +229,10 @@ def train(net: Network, x: torch.Tensor, y: torch.Tensor, *, steps: int, lr: flo
         history.append(float(L))
         net.W = net.W - lr * g.W
         if net.b is not None:
+            assert g.b is not None, "gradients() gives ∂J/∂b(k) for a ResNet only"
             net.b = net.b - lr * g.b
-        if train_w and net.residual:
+        if train_w and net.w is not None:
+            assert g.w is not None  # gradients() gives ∂J/∂w(k) whenever the network has w
             net.w = net.w - lr * g.w
     history.append(float(loss(forward(net, x).Z[-1], y)))
     return history

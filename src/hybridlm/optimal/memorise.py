@@ -69,6 +69,7 @@ def memorise(x: torch.Tensor, y: torch.Tensor, depth: int, *, steps: int = 400, 
         raise InputError(f"steps = {steps}, lr = {lr}: expected steps ≥ 1 and a finite lr > 0")
     n = memorisation_width(x.shape[1], y.shape[1])
     net = random_network(depth, n, residual=True, seed=seed, scale=scale, bias=True, dtype=x.dtype)
+    assert net.b is not None and net.w is not None  # residual=True, bias=True
     params = [net.W.clone(), net.b.clone(), net.w.clone()]
     opt = torch.optim.Adam(params if train_w else params[:2], lr=lr)
     z1 = embed(x, n)

@@ -85,5 +85,9 @@ def adjoint_vs_autograd(field: Field, x: torch.Tensor, y: torch.Tensor, *, tol: 
     for adjoint in (True, False):
         field.zero_grad()
         (solve(field, x, adjoint=adjoint, method="dopri5", rtol=tol, atol=tol) - y).pow(2).mean().backward()
-        grads.append(torch.cat([p.grad.reshape(-1) for p in field.parameters()]))
+        flat = []
+        for p in field.parameters():
+            assert p.grad is not None  # every parameter of the field enters the solution
+            flat.append(p.grad.reshape(-1))
+        grads.append(torch.cat(flat))
     return float((grads[0] - grads[1]).norm() / grads[1].norm())

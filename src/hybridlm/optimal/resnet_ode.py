@@ -114,7 +114,7 @@ def random_model(width: int, *, seed: int = 0, kind: str = "affine", scale: floa
 
 
 def reference(rhs: Callable[[float, torch.Tensor], torch.Tensor], y0: torch.Tensor,
-              t_eval: Sequence[float], *, rtol: float = 1e-12, atol: float = 1e-12) -> torch.Tensor:
+              t_eval: Sequence[float] | np.ndarray, *, rtol: float = 1e-12, atol: float = 1e-12) -> torch.Tensor:
     """Solution of ẏ = rhs(t, y) at t_eval by scipy's DOP853 (all samples at once): [T, *y0.shape]."""
     from scipy.integrate import solve_ivp
 

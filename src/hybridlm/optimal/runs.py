@@ -24,7 +24,7 @@ from hybridlm.optimal.resnet_ode import euler_study, random_model
 def autograd_gradients(net: adj.Network, x: torch.Tensor, y: torch.Tensor) -> adj.Gradients:
     """∂L/∂W(k) (and ∂L/∂w(k), ∂L/∂b(k)) by torch.autograd through the plain recursions."""
     W = net.W.detach().clone().requires_grad_()
-    w = net.w.detach().clone().requires_grad_() if net.residual else None
+    w = net.w.detach().clone().requires_grad_() if net.w is not None else None
     b = net.b.detach().clone().requires_grad_() if net.b is not None else None
     sigma = adj.activation(net.act).sigma
     z = x
@@ -32,6 +32,7 @@ def autograd_gradients(net: adj.Network, x: torch.Tensor, y: torch.Tensor) -> ad
         v = z @ W[k].T + (b[k] if b is not None else 0.0)
         z = z + w[k] * sigma(v) if w is not None else sigma(v)
     adj.loss(z, y).backward()
+    assert W.grad is not None  # every W(k) enters the loss
     return adj.Gradients(W.grad, w.grad if w is not None else None, b.grad if b is not None else None)
 
 

@@ -74,7 +74,8 @@ class Filtered:
 class CBF:
     """The safety filter of `barriers` for ẋ = f(t, x, u), inputs bounded by [low, high]; α(h) = γ (h − ε)."""
 
-    def __init__(self, f: Callable, barriers: Sequence[Barrier], low: Sequence[float], high: Sequence[float], *,
+    def __init__(self, f: Callable, barriers: Sequence[Barrier], low: Sequence[float] | np.ndarray,
+                 high: Sequence[float] | np.ndarray, *,
                  gamma: float = 0.5, margin: float = 1e-6, sample: tuple[float, np.ndarray] | None = None) -> None:
         if not barriers:
             raise InputError("a CBF filter needs at least one barrier h(x)")

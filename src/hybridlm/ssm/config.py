@@ -128,6 +128,6 @@ def preset(family: str, size: str, **changes) -> StackConfig:
         raise ConfigError(f"unknown stack family {family!r}; families: {sorted(PATTERNS)}")
     if size not in SIZES:
         raise ConfigError(f"unknown size {size!r} for a {family} stack; sizes: {sorted(SIZES)}")
-    s = dict(SIZES[size])
-    L = s.pop("n_layer")
-    return StackConfig(layers=PATTERNS[family](L), **s).replace(**changes)
+    s = SIZES[size]
+    return StackConfig(layers=PATTERNS[family](s["n_layer"]), d_model=s["d_model"], n_head=s["n_head"],
+                       d_state=s["d_state"]).replace(**changes)

@@ -22,6 +22,7 @@ with x an `SSMState`, and its hook points (`blocks.{k}.hook_resid_pre`, ...,
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -38,6 +39,9 @@ from hybridlm.ssm.config import StackConfig
 from hybridlm.ssm.rnn import ElmanRNN
 from hybridlm.ssm.selective import SelectiveSSM
 from hybridlm.ssm.state import SSMState
+
+if TYPE_CHECKING:
+    from hybridlm.tokenizer import Tokenizer
 
 MIXERS = {"S": ("ssm", SelectiveSSM), "R": ("rnn", ElmanRNN)}
 
@@ -97,7 +101,7 @@ class StackLM(StateSpaceForm, HookedModule, Recordable):
         self.ln_final = make_norm(parts)
         self.hook_logits = HookPoint()
         self.rotary = None  # no positions: the recurrences order the tokens (attention blocks: NoPE)
-        self.tokenizer = None  # set by the loader
+        self.tokenizer: Tokenizer | None = None  # set by the loader
         self.source = "config"
         self.setup_hooks()
 

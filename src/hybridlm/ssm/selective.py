@@ -36,6 +36,7 @@ class SelectiveSSM(DirectModule):
         super().__init__()
         self.layer = layer
         D, N, R = cfg.d_inner, cfg.d_state, cfg.dt_rank
+        assert R is not None  # StackConfig fills in ⌈d/16⌉
         self.sizes = (D, N, R)
         self.W_in = Linear(cfg.d_model, 2 * D, bias=False)  # u and the gate g
         self.conv_weight = nn.Parameter(torch.zeros(D, cfg.d_conv))

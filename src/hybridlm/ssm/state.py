@@ -103,5 +103,6 @@ def _layer_buffers(cfg: StackConfig, kind: str, batch: int, dtype, device):
         w = torch.zeros(batch, cfg.d_conv - 1, cfg.d_inner, dtype=dtype, device=device)
         return c, w
     if kind == "R":
+        assert cfg.d_rnn is not None  # StackConfig fills in d
         return torch.zeros(batch, cfg.d_rnn, dtype=dtype, device=device), None
     return None, None
