@@ -21,8 +21,9 @@ from hybridlm.analysis.consensus import embed, first_below, looped, random_promp
 from hybridlm.analysis.runner import THRESHOLD
 from hybridlm.figures import save_figure
 
-#: name → (blocks L, width d, heads): GPT-2's small shape and a quarter-width, third-depth one
-SIZES = {"gpt2 (L=12, d=768)": (12, 768, 12), "tiny (L=4, d=256)": (4, 256, 4)}
+#: name → (blocks L, width d, heads): two small GPT-2-like shapes, 8× apart in parameters per block ×
+#: blocks (sized for a shared CPU; the survey's sizes are the Fig. 8 sweep's)
+SIZES = {"mini (L=2, d=128)": (2, 128, 2), "tiny (L=4, d=256)": (4, 256, 4)}
 SCALES = (0.02, 0.2)  # GPT-2's σ and ten times it
 BLOCKS = ("pre-norm", "sphere")
 
