@@ -5,7 +5,7 @@ reach 0 or plateau — the horizon, the normalisation (pre-norm as trained vs th
 Random GPT-2-shaped models, weights fixed across passes (the survey's Fig. 8 setting), full blocks; every
 combination of size, σ and block is looped over the same horizon, so one run also answers "longer?".
 
-    python -m hybridlm.analysis.mlp_question --out runs/mlp-question     # CSV, PNG, a Markdown table
+    python -m hybridlm.analysis.mlp_question --out runs/mlp-question --horizon 240    # CSV, PNG, a Markdown table
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import argparse
 import csv
 import itertools
 from pathlib import Path
-
-import torch
 
 from hybridlm.analysis.consensus import embed, first_below, looped, random_prompts
 from hybridlm.analysis.runner import THRESHOLD
@@ -92,11 +90,10 @@ def _plot(curves: dict[str, list[float]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--horizon", type=int, default=480, help="layer-steps (rounded up to whole passes)")
+    p.add_argument("--horizon", type=int, default=240, help="layer-steps (rounded up to whole passes)")
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=32)
     a = p.parse_args(argv)
-    torch.manual_seed(0)
     print("| size | σ | block | E after pass 1 | E at k/4 | E at the end | first k with E < 0.05 |")
     print("|---|---|---|---|---|---|---|")
     run(a.out, horizon=a.horizon, prompts=a.prompts, prompt_len=a.prompt_len)

@@ -76,7 +76,7 @@ def sphere_field(
     n, d = z.shape
     W_U, W_P = _heads(W_U, 0.0, d, "W_U"), _heads(W_P, 0.0, d, "W_P")
     W_U, W_P = np.broadcast_arrays(W_U, W_P)
-    # matrix products (BLAS), not a three-operand einsum: at a real model's d that loops in Python's C core
+    # matrix products (BLAS), not a three-operand einsum, which numpy evaluates as one slow loop at a real model's d
     scores = (z @ W_P) @ z.T / np.sqrt(d if e is None else e)  # [head, i, j]: z_iᵀ W_P^h z_j
     if causal:
         scores = np.where(np.tril(np.ones((n, n), dtype=bool)), scores, -np.inf)
