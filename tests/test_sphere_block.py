@@ -110,3 +110,16 @@ def test_consensus_runs_on_the_sphere_block(tmp_path, toy_hub):
     assert summary["config"]["block"] == "sphere" and summary["layer_steps"] == 4
     r = CliRunner().invoke(cli, [*args[:3], "--block", "post", *args[5:]])
     assert r.exit_code == 2 and "'post'" in r.output
+
+
+def test_write_bridge_puts_every_curve_in_the_csv_and_a_png(tmp_path):
+    import csv
+
+    from hybridlm.analysis.bridge import write_bridge
+
+    out = bridge(llama_like(), 0, list(range(3, 9)), steps=3, step_sizes=(1.0, 0.5))
+    csv_path, png = write_bridge(out, tmp_path)
+    rows = list(csv.DictReader(open(csv_path)))
+    assert [int(r["t"]) for r in rows] == [0, 1, 2, 3] and png.stat().st_size > 0
+    for key in ("E_flow", "E_loop_h1", "E_loop_h0.5"):
+        assert [float(r[key]) for r in rows] == pytest.approx(out[key], rel=1e-5)

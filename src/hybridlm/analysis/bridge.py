@@ -87,3 +87,64 @@ def bridge(model, layer: int, ids, *, steps: int = 50, radius: float | None = No
         E = looped_layer(attn, u0.float(), steps * per_unit, step_size=h, radius=r)
         out[f"E_loop_h{h:g}"] = E[::per_unit]
     return out
+
+
+def write_bridge(out: dict, folder) -> tuple:
+    """bridge.csv (t, E of the flow, E of each loop) and bridge.png of a `bridge` result; returns their paths."""
+    import csv
+    from pathlib import Path
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hybridlm.figures import save_figure
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    loops = [k for k in out if k.startswith("E_loop_h")]
+    with open(folder / "bridge.csv", "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["t", "E_flow", *loops])
+        w.writerows([t, *(f"{out[k][i]:.6g}" for k in ("E_flow", *loops))] for i, t in enumerate(out["t"]))
+    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=110)
+    ax.plot(out["t"], out["E_flow"], "k-", lw=2, label="flow (0.43), scipy DOP853")
+    for k in loops:
+        ax.plot(out["t"], out[k], "o--", ms=3, lw=1, label=f"looped layer, u ← n(u + h·A/r), h = {k[8:]}")
+    ax.set_xlabel("t (layer-steps of size 1)")
+    ax.set_ylabel("E (0.45)")
+    ax.set_title(f"{out.get('model', '')} layer {out['layer']}, attention only on the sphere, "
+                 f"{out['tokens']} tokens, r = {out['radius']:.1f}", fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return folder / "bridge.csv", save_figure(fig, folder / "bridge.png")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m hybridlm.analysis.bridge --model smollm2-135m --layer 0 --out DIR`: one real layer's
+    looped E against its flow's, as bridge.csv, bridge.png and bridge.json."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from hybridlm.weights.loading import load_model
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--layer", type=int, default=0)
+    p.add_argument("--tokens", type=int, default=8, help="random tokens of the vocabulary (seeded)")
+    p.add_argument("--steps", type=int, default=3, help="horizon t (the flow is stiff at a real layer's r: keep it short)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args(argv)
+    model = load_model(a.model)
+    ids = torch.randint(0, model.config.vocab_size, (a.tokens,), generator=torch.Generator().manual_seed(a.seed))
+    out = {"model": a.model, **bridge(model, a.layer, ids, steps=a.steps, step_sizes=(1.0, 0.1, 0.01))}
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "bridge.json").write_text(json.dumps(out, indent=1))
+    print(*write_bridge(out, a.out))
+
+
+if __name__ == "__main__":
+    main()

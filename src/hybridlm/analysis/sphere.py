@@ -76,11 +76,12 @@ def sphere_field(
     n, d = z.shape
     W_U, W_P = _heads(W_U, 0.0, d, "W_U"), _heads(W_P, 0.0, d, "W_P")
     W_U, W_P = np.broadcast_arrays(W_U, W_P)
-    scores = np.einsum("id,hde,je->hij", z, W_P, z) / np.sqrt(d if e is None else e)
+    # matrix products (BLAS), not a three-operand einsum, which numpy evaluates as one slow loop at a real model's d
+    scores = (z @ W_P) @ z.T / np.sqrt(d if e is None else e)  # [head, i, j]: z_iᵀ W_P^h z_j
     if causal:
         scores = np.where(np.tril(np.ones((n, n), dtype=bool)), scores, -np.inf)
     a = softmax(scores, axis=-1)  # [head, query pos, key pos], row-stochastic
-    u = np.einsum("hde,hie->id", W_U, a @ z)  # Σ_h W_U^h Σ_j a^h_ij z_j
+    u = ((a @ z) @ W_U.transpose(0, 2, 1)).sum(0)  # Σ_h W_U^h Σ_j a^h_ij z_j
     return u - (u * z).sum(-1, keepdims=True) * z  # P_{z_i} u_i
 
 
