@@ -377,13 +377,22 @@ def _check_text_is_text(tok: Tokenizer, origin: str) -> None:
             model.ignore_merges = False
         for i in sorted(tok.special_ids):
             content = tok.backend.id_to_token(i)
-            if content and (any(t.id == i for t in model.tokenize(content)) or i in tok.encode(content)
+            if content and (i in _model_ids(model, content) or i in tok.encode(content)
                             or byte_fallback and re.fullmatch(r"<0x[0-9A-F]{2}>", content)):
                 raise WeightsError(f"{origin}: its model turns the text {content[:40]!r} into the special token {i}, "
                                    "so untrusted text could produce it; hybridlm refuses such vocabularies")
     finally:
         if whole_words:
             model.ignore_merges = True
+
+
+def _model_ids(model, word: str) -> set[int]:
+    """The ids the tokenizer's model gives `word`; none where it cannot write the word (a word list without
+    an unknown token raises)."""
+    try:
+        return {t.id for t in model.tokenize(word)}
+    except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception for a word it cannot write
+        return set()
 
 
 def _json_object(path: Path) -> dict:
