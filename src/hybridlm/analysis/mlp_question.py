@@ -40,8 +40,9 @@ def one_run(size: str, sigma: float, block: str, *, passes: int, prompts: int, p
 
 
 def run(out: Path, *, horizon: int, prompts: int, prompt_len: int, seed: int = 0) -> list[dict]:
-    """Every (size, σ, block) over `horizon` layer-steps (whole passes, at least): consensus.csv, mlp-question.png
-    and the summary rows (E after pass 1, at k ≈ horizon/4 and at the end, first k with E < 0.05)."""
+    """Every (size, σ, block) over `horizon` layer-steps (whole passes, at least): mlp-question.csv (one row per
+    run and layer-step; not a consensus.csv, whose columns `analysis.runner` reads), mlp-question.png and the
+    summary rows (E after pass 1, at k ≈ horizon/4 and at the end, first k with E < 0.05)."""
     out.mkdir(parents=True, exist_ok=True)
     curves, rows = {}, []
     for size, sigma, block in itertools.product(SIZES, SCALES, BLOCKS):
@@ -53,7 +54,7 @@ def run(out: Path, *, horizon: int, prompts: int, prompt_len: int, seed: int = 0
         rows.append({"size": size, "sigma": sigma, "block": block, "E_pass1": E[L], "E_quarter": E[len(E) // 4],
                      "E_end": E[-1], "layer_steps": len(E) - 1, "first_k_below_0.05": below})
         print(_row(rows[-1]), flush=True)
-    with open(out / "consensus.csv", "w", newline="") as fh:
+    with open(out / "mlp-question.csv", "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["run", "layer_step", "E_mean"])
         for name, E in curves.items():
