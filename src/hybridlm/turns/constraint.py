@@ -24,7 +24,15 @@ from hybridlm.turns.codecs import TAGGED_JSON, CallCodec, ToolCall
 
 
 class ToolCallConstraint(GrammarConstraint):
-    """The mask of a turn with tools; `calls()` gives the parsed calls once `finished`."""
+    """The mask of a turn with tools; `calls()` gives the parsed calls once `finished`.
+
+    The budget closes an open call only at its very end (no margin): a value the witness closed
+    early is a wrong call (`{"city": ""}`), worse than none, so the model keeps every token the
+    budget allows. A call the budget closed is `forced`: not a jump, its turn ends with the
+    token budget (docs/server.md, "The budget and a call").
+    """
+
+    margin = 0
 
     def __init__(self, tokenizer, grammar: str, *, codec: CallCodec, tools: list[str], tool_choice: str,
                  parallel: bool, budget: int | None, vocab_size: int | None) -> None:

@@ -138,10 +138,13 @@ class Conversation(HybridSystem):
         a call (cut short by its budget: the cause is the budget's), and a stop string in the free text."""
         in_D = self.jump_set(s)
         c = s.constraint
-        if token in s.stop_ids and not in_D:
+        closed = c is not None and not isinstance(c, FreeTurn) and c.finished and not in_D
+        if closed and getattr(c, "forced", False):  # (the witness may end with the stop token)
+            s.finished = Termination.TOKEN_BUDGET
+        elif token in s.stop_ids and not in_D:
             s.finished = Termination.STOP_TOKEN
-        elif c is not None and not isinstance(c, FreeTurn) and c.finished and not in_D:
-            s.finished = Termination.TOKEN_BUDGET if getattr(c, "forced", False) else Termination.CONSTRAINT
+        elif closed:
+            s.finished = Termination.CONSTRAINT
         elif self.offer.stops and not in_D:
             free = self.codec.free_text(self.tokenizer.decode([i for i in s.turn if i not in s.stop_ids]))
             if any(stop in free for stop in self.offer.stops):
@@ -152,9 +155,11 @@ class Conversation(HybridSystem):
 
     # ------------------------------------------------------------------ D and g
     def jump_set(self, s) -> bool:
-        """The turn's constraint is finished and holds calls (the free baseline: a call, parsed or not)."""
+        """The turn's constraint is finished and holds calls (the free baseline: a call, parsed or not),
+        which the model wrote itself: a call the token budget closed is not a jump (nothing is left
+        to answer with, and its values may be cut short)."""
         c = s.constraint
-        return c is not None and c.finished and getattr(c, "made_call", False)
+        return c is not None and c.finished and getattr(c, "made_call", False) and not getattr(c, "forced", False)
 
     def jumps_elsewhere(self, s) -> bool:
         names = self.elsewhere.names if self.elsewhere else ()
@@ -204,8 +209,10 @@ class Conversation(HybridSystem):
 
     # ------------------------------------------------------------------ the end
     def answer(self, s) -> str:
-        """The free text of the last turn, without a call the token budget cut."""
+        """The free text of the last turn, without a call the token budget cut or closed."""
         text = self.tokenizer.decode([i for i in s.turn if i not in s.stop_ids])
+        if getattr(s.constraint, "forced", False):
+            return self.codec.free_text(text).strip()
         return self.codec.without_open_call(text).strip()
 
     def summary(self, s) -> dict:
