@@ -53,6 +53,7 @@ class Offer:
     answer_schema: dict | bool | None = None  # the JSON Schema of an answer, when no call may be made
     answer_grammar: str | None = None  # else a compiled llguidance grammar of the answer (a regex, a grammar)
     stops: tuple[str, ...] = ()  # stop strings of the answer
+    repeats: bool = False  # a call identical to an earlier one of its turn may be made (else the turn ends)
 
 
 class Elsewhere(Interface):
@@ -85,9 +86,9 @@ class Conversation(HybridSystem):
         """The constraint of the turn that starts now (the first turn follows the tool choice; a turn
         after a jump is "auto"); None when nothing is constrained."""
         o, lim = self.offer, s.limits
-        left = None
-        if not self.elsewhere:  # the jumps that run here count against the jump horizon
-            left = min(lim.max_jumps - s.k, lim.max_jumps_per_step)
+        left = lim.max_jumps_per_step  # the call horizon of one turn (its calls are jumps at one token step)
+        if self.run is not None or not self.elsewhere:  # the jumps that run here count against the jump horizon
+            left = min(lim.max_jumps - s.k, left)
         if not o.constrain:
             opened = first and o.choice == "required"
             return FreeTurn(self.tokenizer, codec=self.codec, text=self.codec.opening if opened else "")
@@ -105,7 +106,7 @@ class Conversation(HybridSystem):
         parallel = o.parallel and (left is None or left > 1)
         return tool_call_constraint(self.tokenizer, self.schemas, choice, parallel=parallel,
                                     max_calls=left if parallel else None, budget=budget, vocab_size=self.vocab_size,
-                                    codec=self.codec)
+                                    codec=self.codec, repeats=o.repeats)
 
     # ------------------------------------------------------------------ C and f
     def controlled(self, s) -> bool:
