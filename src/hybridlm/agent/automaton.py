@@ -125,18 +125,22 @@ class HybridAgent:
         self.replay: list[dict] | None = None  # recorded observations, for replay
 
     # ------------------------------------------------------------------ runs
-    def run(self, task: str, *, trace: str | Path | None = None) -> Arc:
-        """Run one task to the end of its arc."""
-        (arc,) = self.run_many([task], traces=[trace])
+    def run(self, task: str, *, trace: str | Path | None = None, observers: tuple = ()) -> Arc:
+        """Run one task to the end of its arc; `observers` watch its events as they happen
+        (hybridlm.agent.watch: the stream of its text and jumps, a progress line)."""
+        (arc,) = self.run_many([task], traces=[trace], observers=observers)
         return arc
 
-    def run_many(self, tasks: list[str], *, traces: list | None = None, max_batch: int = 64) -> list[Arc]:
+    def run_many(self, tasks: list[str], *, traces: list | None = None, max_batch: int = 64,
+                 observers: tuple = ()) -> list[Arc]:
         """Run several tasks concurrently on one engine (each its own arc, seed and trace); while
         one task's tool runs, the others keep generating."""
         traces = list(traces) if traces is not None else [None] * len(tasks)
         if len(traces) != len(tasks):
             raise InputError(f"{len(traces)} traces for {len(tasks)} tasks: expected one per task (or none)")
         seqs = [self.sequence(task, trace=trace) for task, trace in zip(tasks, traces)]
+        for s in seqs:
+            s.observers.extend(observers)
         Engine(self.model, max_batch=max_batch, context=self.context, prefix_cache=self.prefix_cache).solve(seqs)
         return [s.result for s in seqs]
 

@@ -52,6 +52,7 @@ def _plant_options(fn):
               help="Write the hybrid arc to this JSONL file as it happens [with --plant: default PLANT-arc.jsonl].")
 @click.option("--states", is_flag=True, help="With --trace: also save the final-layer state of each token (safetensors).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--stream", is_flag=True, help="Write the tokens and the jumps to stderr as they happen.")
 @mcp_options
 @chat_template_option
 @tool_call_parser_option
@@ -60,8 +61,8 @@ def _plant_options(fn):
 @context_option
 @control_options
 def agent(task, model_spec, tools, kb, tool_choice, parallel, max_jumps, max_new_tokens, temperature, seed,
-          trace_path, states, as_json, mcp, mcp_timeout, chat_template, plant_name, plant_speed, cbf, horizon, period, band,
-          figure_path, precision, context_policy, ban, steer, steer_layer, steer_scale, tool_call_parser):
+          trace_path, states, as_json, stream, mcp, mcp_timeout, chat_template, plant_name, plant_speed, cbf, horizon,
+          period, band, figure_path, precision, context_policy, ban, steer, steer_layer, steer_scale, tool_call_parser):
     """Run TASK through the agentic hybrid automaton (generate ⇄ external modes)."""
     from hybridlm.agent import HybridAgent, Limits
     from hybridlm.errors import InputError
@@ -107,7 +108,7 @@ def agent(task, model_spec, tools, kb, tool_choice, parallel, max_jumps, max_new
 
         with warnings.catch_warnings(record=True) as caught:  # a trace cut by a write error: one line, the answer stays
             warnings.simplefilter("always", TraceWriteWarning)
-            arc = runner.run(task, trace=trace_path)
+            arc = runner.run(task, trace=trace_path, observers=_watchers(model, stream, as_json))
         for w in caught:
             if issubclass(w.category, TraceWriteWarning):
                 click.echo(f"[warning: {w.message}]", err=True)
@@ -117,13 +118,26 @@ def agent(task, model_spec, tools, kb, tool_choice, parallel, max_jumps, max_new
         click.echo(json.dumps(arc.to_dict(), ensure_ascii=False))
         return
     servers = {t.name: t.server for t in reg}
-    for j in arc.jumps:
+    for j in [] if stream else arc.jumps:  # (streamed: each jump was written as it landed)
         status = f" [{j.error}]" if j.error else ""
         where = f" @{servers[j.tool]}" if servers.get(j.tool) else ""
         click.echo(f"  jump {j.k} at t={j.t}: {j.tool}{where}({json.dumps(j.arguments)}) → {j.observation[:120]}{status}",
                    err=True)
     click.echo(arc.answer)
     click.echo(f"[{arc.summary()}{', trace ' + trace_path if trace_path else ''}]", err=True)
+
+
+def _watchers(model, stream: bool, as_json: bool) -> tuple:
+    """What watches the run: the stream of tokens and jumps (--stream), else a live progress line
+    where stderr is a terminal and the output is not JSON."""
+    import sys
+
+    from hybridlm.agent.watch import Progress, Stream
+
+    err = sys.stderr
+    if stream:
+        return (Stream(model.tokenizer, err),)
+    return (Progress(err),) if not as_json and err.isatty() else ()
 
 
 def _plant_plan(name, speed, horizon, period, band) -> dict:

@@ -36,6 +36,11 @@ from hybridlm.cli.options import (
               help="Largest request body (413 beyond).")
 @click.option("--max-jumps", default=3, show_default=True, type=click.IntRange(min=0),
               help="Jump horizon of a request's server-side tool calls.")
+@click.option("--max-calls", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Call horizon of one assistant turn: the most calls it makes (parallel_tool_calls), whoever runs them.")
+@click.option("--repeat-calls", is_flag=True,
+              help="Let a turn make a call identical to one it made already (by default such a repeat ends the turn "
+                   "unmade: a small model's loop).")
 @click.option("--max-arcs", default=1000, show_default=True, type=click.IntRange(min=1),
               help="Arcs kept for GET /v1/arcs/{id} (the oldest dropped first).")
 @click.option("--allowed-hosts", default="", metavar="NAMES",
@@ -55,8 +60,8 @@ from hybridlm.cli.options import (
 @precision_option("auto")
 @context_option
 def serve(model_spec, names, host, port, tools, kb, api_key, max_batch, max_queue, prefix_cache_mb,
-          continuation_mb, max_body_mb, max_jumps, max_arcs, allowed_hosts, allowed_origins, log_level, threads, device,
-          mcp, mcp_timeout, chat_template, precision, context_policy, tool_call_parser):
+          continuation_mb, max_body_mb, max_jumps, max_calls, repeat_calls, max_arcs, allowed_hosts, allowed_origins,
+          log_level, threads, device, mcp, mcp_timeout, chat_template, precision, context_policy, tool_call_parser):
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, tools, streaming)."""
     from hybridlm.errors import InputError
     from hybridlm.server import Service, serve as run_server
@@ -99,7 +104,7 @@ def serve(model_spec, names, host, port, tools, kb, api_key, max_batch, max_queu
             return Service(model, model_id=tuple(served) or (name,), tools=reg if reg.tools else None,
                            max_batch=max_batch, max_queue=max_queue, prefix_cache_mb=prefix_cache_mb,
                            continuation_mb=continuation_mb, context=context_policy, max_jumps=max_jumps,
-                           max_arcs=max_arcs)
+                           max_calls=max_calls, repeat_calls=repeat_calls, max_arcs=max_arcs)
 
         def ready(bound_port: int) -> None:
             offered = ", ".join(t.name for t in reg) or "none"

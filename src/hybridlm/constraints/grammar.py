@@ -39,6 +39,8 @@ SEPARATORS = "@.:/"  # what a format's value needs between its parts (email, hos
 class GrammarConstraint:
     """M_t from a compiled llguidance grammar over a hybridlm tokenizer."""
 
+    margin = MARGIN  # tokens of free choice kept beyond the witness (a subclass may close later)
+
     def __init__(self, tokenizer, grammar: str, *, kind: str, source, budget: int | None = None,
                  vocab_size: int | None = None) -> None:
         if budget is not None and budget < 1:
@@ -135,7 +137,7 @@ class GrammarConstraint:
         if left > TAIL and len(self.tokens) < self._next_check:
             return None
         witness = closing_witness(self.matcher, self.lib, limit=min(left, WITNESS_CAP), before=self.tokens)
-        slack = (left - TAIL) if witness is None else (left - len(witness) - MARGIN)
+        slack = (left - TAIL) if witness is None else (left - len(witness) - self.margin)
         if slack > 0 or witness is None:
             self._next_check = len(self.tokens) + max(1, slack // 2)
             return None

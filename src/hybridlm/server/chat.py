@@ -11,9 +11,10 @@ hybridlm.server.handlers with two places for the jump map g:
   arc ends there with termination cause `jump_set` (finish_reason "tool_calls"); the client
   runs the tool and sends a `tool` message, and the next request continues from the state the
   arc ended in (`ClientTools.continuation`, kept by the service);
-- **server-side tools** (`hybridlm serve --tools/--mcp`, offered to requests that bring no
-  tools of their own): g runs here, exactly as in `hybridlm agent`, and the client gets the
-  answer.
+- **server-side tools** (`hybridlm serve --tools/--mcp`, offered to every request beside its
+  own tools, unless it asks for a structured reply): g runs here, exactly as in `hybridlm agent`,
+  and the arc goes on. Where both kinds are offered a turn makes one call: the server's runs here,
+  a client's ends the arc as above.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class ClientTools:
     tokenizer: object
     protocol: Protocol
     stops: tuple[str, ...] = ()
+    repeats: bool = False  # a call identical to an earlier one of its turn is returned too
 
     def continuation(self, s, state) -> tuple[str, Continuation]:
         """What the service keeps of an arc that ended in D at a client-side call: the state, under
@@ -97,7 +99,8 @@ class ClientTools:
         the protocol gives them to the template), and the conversation with the turn as the model
         wrote it (what the state holds, and what enc(y) continues)."""
         turns = turns_of(s, self.tokenizer)
-        view = render(turns, final=True, stops=self.stops, client_tools=self.names, codec=self.protocol.codec)
+        view = render(turns, final=True, stops=self.stops, client_tools=self.names, codec=self.protocol.codec,
+                      repeats=self.repeats)
         ids = [call_id(s, c.index) for c in view.calls]
         sent = self.protocol.assistant(view.content, [(c.name, c.arguments) for c in view.calls], ids)
         written = s.messages + [{"role": "assistant", "content": turns[-1]}]

@@ -178,13 +178,15 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
     client: list[dict[str, Any]] = [
         {"name": t.function.name, "description": t.function.description, "parameters": t.function.parameters}
         for t in body.tools or []]
-    # The server's own tools are offered when the client names none, unless it asks for a structured
-    # reply: response_format and callable tools exclude each other.
+    # The server's own tools are offered beside the client's (a name the client gives is the client's
+    # tool), unless the request asks for a structured reply: response_format and callable tools exclude
+    # each other. The server runs its own; a call of a client's tool is returned (docs/server.md).
     wants_format = (body.response_format is not None and body.response_format.type != "text") \
         or structured(body) is not None
-    server = [] if body.tools is not None or service.tools is None or (wants_format and body.tool_choice is None) \
-        else [t.offered() for t in service.tools]
-    offered = client or server
+    own = {t["name"] for t in client}
+    server = [] if service.tools is None or (wants_format and body.tool_choice is None) \
+        else [t.offered() for t in service.tools if t.name not in own]
+    offered = client + server
     asked_choice = body.tool_choice
     if asked_choice is None:
         choice = "auto" if offered else "none"
@@ -219,7 +221,8 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
             json_schema_constraint(tok, schema)
         except InputError as exc:
             raise invalid(f"response_format: {exc}", param="response_format") from None
-    parallel = body.parallel_tool_calls if body.parallel_tool_calls is not None else True
+    # one call per turn where both kinds are offered: a turn either runs here or ends the arc
+    parallel = (body.parallel_tool_calls if body.parallel_tool_calls is not None else True) and not (client and server)
     stops = stop_list(body.stop)
     codec = codec_for(model)
     if offered:
@@ -254,13 +257,14 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
     asked = body.max_completion_tokens or body.max_tokens or (body.n_predict if (body.n_predict or 0) > 0 else None)
     budget = _budget(service, len(prompt), asked, "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     kernel = _kernel(body, service.model.config.vocab_size)
+    # the call horizon of a turn bounds its calls, whoever runs them; the jump horizon, the server's jumps
     lim = Limits(max_token_steps=budget, max_jumps=service.max_jumps if server else 0,
-                 max_jumps_per_step=max(1, service.max_jumps) if parallel and server else 1)
+                 max_jumps_per_step=max(1, service.max_calls) if parallel else 1)
     client_tools = frozenset(t["name"] for t in client)
     offer = Offer(tools=tuple({**t, "server": "client"} if t["name"] in client_tools else t for t in offered),
                   choice=choice, parallel=parallel, calls=bool(offered), answer_schema=schema, answer_grammar=grammar,
-                  stops=stops)
-    elsewhere = C.ClientTools(client_tools, tok, protocol, stops) if client_tools else None
+                  stops=stops, repeats=service.repeat_calls)
+    elsewhere = C.ClientTools(client_tools, tok, protocol, stops, service.repeat_calls) if client_tools else None
     run = None
     if server:
         tools = service.tools
@@ -473,7 +477,7 @@ def _view(prep: Prepared, turns: list[str], final: bool, s=None) -> View:
     possible = offer is not None and offer.calls and offer.choice != "none"
     cut = s is None or s.arc.termination not in (Termination.STOP_TOKEN, Termination.STOP_SEQUENCE)
     return render(turns, final=final, stops=prep.stops, client_tools=prep.client_tools, calls_possible=possible,
-                  cut=cut, codec=prep.codec)
+                  cut=cut, codec=prep.codec, repeats=offer is None or offer.repeats)
 
 
 def _token_logprob(tok, lib, event) -> dict:

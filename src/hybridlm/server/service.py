@@ -136,7 +136,8 @@ class Service:
 
     def __init__(self, model, *, model_id: str | tuple[str, ...], tools=None, max_batch: int = 32, max_queue: int = 256,
                  prefix_cache_mb: float = 256, continuation_mb: float = 256, max_arcs: int = 1000,
-                 context: ContextPolicy | str = ContextPolicy(), max_jumps: int = 3) -> None:
+                 context: ContextPolicy | str = ContextPolicy(), max_jumps: int = 3, max_calls: int = 3,
+                 repeat_calls: bool = False) -> None:
         self.model = model
         # the names a request's `model` may give (--served-model-name): the first is the model's id
         self.names = (model_id,) if isinstance(model_id, str) else tuple(model_id)
@@ -144,6 +145,8 @@ class Service:
         self.tokenizer = model.tokenizer
         self.tools = tools  # a ToolRegistry the server runs itself, or None
         self.max_batch, self.max_queue, self.max_jumps = max_batch, max_queue, max_jumps
+        # the call horizon of one turn, and whether a turn may repeat a call it made (hybridlm.turns)
+        self.max_calls, self.repeat_calls = max_calls, repeat_calls
         self.prefix_cache = PrefixCache(int(prefix_cache_mb * MB))
         self.engine = Engine(model, max_batch=max_batch, context=context, prefix_cache=self.prefix_cache)
         self.continuations = Continuations(int(continuation_mb * MB))

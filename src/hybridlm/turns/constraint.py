@@ -13,25 +13,35 @@ schema the grammar cannot compile is left out with a warning, the user's own is 
 
 from __future__ import annotations
 
+import json
 import warnings
 
 from hybridlm.constraints import library
 from hybridlm.constraints.calls import tool_choice_name, tool_schema, tool_specs
-from hybridlm.constraints.grammar import TAIL, GrammarConstraint, closing_witness
+from hybridlm.constraints.grammar import TAIL, WITNESS_CAP, GrammarConstraint, closing_witness
 from hybridlm.errors import InputError
 from hybridlm.tools import ToolRegistry
 from hybridlm.turns.codecs import TAGGED_JSON, CallCodec, ToolCall
 
 
 class ToolCallConstraint(GrammarConstraint):
-    """The mask of a turn with tools; `calls()` gives the parsed calls once `finished`."""
+    """The mask of a turn with tools; `calls()` gives the parsed calls once `finished`.
+
+    The budget closes an open call only at its very end (no margin): a value the witness closed
+    early is a wrong call (`{"city": ""}`), worse than none, so the model keeps every token the
+    budget allows. A call the budget closed is `forced`: not a jump, its turn ends with the
+    token budget (docs/server.md, "The budget and a call").
+    """
+
+    margin = 0
 
     def __init__(self, tokenizer, grammar: str, *, codec: CallCodec, tools: list[str], tool_choice: str,
-                 parallel: bool, budget: int | None, vocab_size: int | None) -> None:
+                 parallel: bool, budget: int | None, vocab_size: int | None, repeats: bool = True) -> None:
         super().__init__(tokenizer, grammar, kind="tool_call",
                          source={"tools": tools, "tool_choice": tool_choice, "parallel": parallel},
                          budget=budget, vocab_size=vocab_size)
         self.codec, self.tools, self.tool_choice, self.parallel = codec, tools, tool_choice, parallel
+        self.repeats = repeats  # False: a call identical to an earlier one of the turn ends the turn, unmade
 
     @property
     def in_call(self) -> bool:
@@ -48,6 +58,9 @@ class ToolCallConstraint(GrammarConstraint):
         the last TAIL tokens (it could not close); free text ends at the solver's token budget instead."""
         if self.in_call:
             return super()._closing_token()
+        if self.parallel and not self.repeats and not self.finished and self.repeated():
+            witness = closing_witness(self.matcher, self.lib, limit=WITNESS_CAP)
+            return witness[0] if witness else None
         left = self.remaining
         if left is not None and left <= TAIL and self.parallel and not self.finished and self.calls():
             witness = closing_witness(self.matcher, self.lib, limit=left) if left else None
@@ -55,17 +68,40 @@ class ToolCallConstraint(GrammarConstraint):
         return None
 
     def calls(self) -> list[ToolCall]:
-        """The calls written so far (complete ones only), in order."""
-        return self.codec.complete_calls(self.text, self.tools)
+        """The calls written so far (complete ones only), in order; without a repeat of an earlier
+        call of the turn unless `repeats`."""
+        made = self.codec.complete_calls(self.text, self.tools)
+        return made if self.repeats else distinct(made)
+
+    def repeated(self) -> bool:
+        """The turn's last complete call is identical to an earlier one (its name and arguments)."""
+        made = self.codec.complete_calls(self.text, self.tools)
+        return len(made) > 1 and _key(made[-1]) in {_key(c) for c in made[:-1]}
 
     def answer(self) -> str:
         """The free text of the turn (before any call)."""
         return self.codec.free_text(self.text)
 
 
+def _key(call: ToolCall) -> str:
+    return json.dumps([call.name, call.arguments], sort_keys=True)
+
+
+def distinct(calls: list[ToolCall]) -> list[ToolCall]:
+    """The calls without those identical to an earlier one (name and arguments), in order."""
+    seen: set[str] = set()
+    out = []
+    for c in calls:
+        if _key(c) not in seen:
+            seen.add(_key(c))
+            out.append(c)
+    return out
+
+
 def tool_call_constraint(tokenizer, tools, tool_choice="auto", *, parallel: bool = False,
                          max_calls: int | None = None, budget: int | None = None, max_string: int | None = None,
-                         vocab_size: int | None = None, codec: CallCodec = TAGGED_JSON) -> ToolCallConstraint:
+                         vocab_size: int | None = None, codec: CallCodec = TAGGED_JSON,
+                         repeats: bool = True) -> ToolCallConstraint:
     """The tool-call constraint of one turn, in the call format `codec`.
 
     tools: the offered tools (objects with .name and .parameters, e.g. a ToolRegistry, or
@@ -73,7 +109,8 @@ def tool_call_constraint(tokenizer, tools, tool_choice="auto", *, parallel: bool
     or OpenAI's {"type": "function", "function": {"name": ...}}. parallel: several calls
     in the turn (at most max_calls), else exactly one. budget: tokens the constraint may
     take in all (the call is closed in time); max_string: the longest string argument
-    (characters) where the schema sets no shorter maxLength.
+    (characters) where the schema sets no shorter maxLength. repeats=False: a call identical to an
+    earlier one of the turn (a small model's loop) is not made: the turn is closed right after it.
     """
     specs = tool_specs(tools)
     choice = tool_choice_name(tool_choice, specs)
@@ -90,7 +127,7 @@ def tool_call_constraint(tokenizer, tools, tool_choice="auto", *, parallel: bool
     grammar = library.lark_grammar(codec.grammar(offered, choice, parallel=parallel, max_calls=max_calls,
                                                  max_string=max_string, tokenizer=tokenizer))
     return ToolCallConstraint(tokenizer, grammar, codec=codec, tools=list(offered), tool_choice=choice,
-                              parallel=parallel, budget=budget, vocab_size=vocab_size)
+                              parallel=parallel, budget=budget, vocab_size=vocab_size, repeats=repeats)
 
 
 class FreeTurn:

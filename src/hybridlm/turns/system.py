@@ -53,6 +53,7 @@ class Offer:
     answer_schema: dict | bool | None = None  # the JSON Schema of an answer, when no call may be made
     answer_grammar: str | None = None  # else a compiled llguidance grammar of the answer (a regex, a grammar)
     stops: tuple[str, ...] = ()  # stop strings of the answer
+    repeats: bool = False  # a call identical to an earlier one of its turn may be made (else the turn ends)
 
 
 class Elsewhere(Interface):
@@ -85,9 +86,9 @@ class Conversation(HybridSystem):
         """The constraint of the turn that starts now (the first turn follows the tool choice; a turn
         after a jump is "auto"); None when nothing is constrained."""
         o, lim = self.offer, s.limits
-        left = None
-        if not self.elsewhere:  # the jumps that run here count against the jump horizon
-            left = min(lim.max_jumps - s.k, lim.max_jumps_per_step)
+        left = lim.max_jumps_per_step  # the call horizon of one turn (its calls are jumps at one token step)
+        if self.run is not None or not self.elsewhere:  # the jumps that run here count against the jump horizon
+            left = min(lim.max_jumps - s.k, left)
         if not o.constrain:
             opened = first and o.choice == "required"
             return FreeTurn(self.tokenizer, codec=self.codec, text=self.codec.opening if opened else "")
@@ -105,7 +106,7 @@ class Conversation(HybridSystem):
         parallel = o.parallel and (left is None or left > 1)
         return tool_call_constraint(self.tokenizer, self.schemas, choice, parallel=parallel,
                                     max_calls=left if parallel else None, budget=budget, vocab_size=self.vocab_size,
-                                    codec=self.codec)
+                                    codec=self.codec, repeats=o.repeats)
 
     # ------------------------------------------------------------------ C and f
     def controlled(self, s) -> bool:
@@ -138,10 +139,13 @@ class Conversation(HybridSystem):
         a call (cut short by its budget: the cause is the budget's), and a stop string in the free text."""
         in_D = self.jump_set(s)
         c = s.constraint
-        if token in s.stop_ids and not in_D:
+        closed = c is not None and not isinstance(c, FreeTurn) and c.finished and not in_D
+        if closed and getattr(c, "forced", False):  # (the witness may end with the stop token)
+            s.finished = Termination.TOKEN_BUDGET
+        elif token in s.stop_ids and not in_D:
             s.finished = Termination.STOP_TOKEN
-        elif c is not None and not isinstance(c, FreeTurn) and c.finished and not in_D:
-            s.finished = Termination.TOKEN_BUDGET if getattr(c, "forced", False) else Termination.CONSTRAINT
+        elif closed:
+            s.finished = Termination.CONSTRAINT
         elif self.offer.stops and not in_D:
             free = self.codec.free_text(self.tokenizer.decode([i for i in s.turn if i not in s.stop_ids]))
             if any(stop in free for stop in self.offer.stops):
@@ -152,9 +156,11 @@ class Conversation(HybridSystem):
 
     # ------------------------------------------------------------------ D and g
     def jump_set(self, s) -> bool:
-        """The turn's constraint is finished and holds calls (the free baseline: a call, parsed or not)."""
+        """The turn's constraint is finished and holds calls (the free baseline: a call, parsed or not),
+        which the model wrote itself: a call the token budget closed is not a jump (nothing is left
+        to answer with, and its values may be cut short)."""
         c = s.constraint
-        return c is not None and c.finished and getattr(c, "made_call", False)
+        return c is not None and c.finished and getattr(c, "made_call", False) and not getattr(c, "forced", False)
 
     def jumps_elsewhere(self, s) -> bool:
         names = self.elsewhere.names if self.elsewhere else ()
@@ -204,8 +210,10 @@ class Conversation(HybridSystem):
 
     # ------------------------------------------------------------------ the end
     def answer(self, s) -> str:
-        """The free text of the last turn, without a call the token budget cut."""
+        """The free text of the last turn, without a call the token budget cut or closed."""
         text = self.tokenizer.decode([i for i in s.turn if i not in s.stop_ids])
+        if getattr(s.constraint, "forced", False):
+            return self.codec.free_text(text).strip()
         return self.codec.without_open_call(text).strip()
 
     def summary(self, s) -> dict:

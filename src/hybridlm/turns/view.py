@@ -9,9 +9,10 @@ so that every streamed delta is a prefix of the final text.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
-from hybridlm.turns.codecs import TAGGED_JSON, CallCodec
+from hybridlm.turns.codecs import TAGGED_JSON, CallCodec, PartialCall
 
 
 @dataclass
@@ -40,13 +41,15 @@ def turns_of(s, tokenizer) -> list[str]:
 
 
 def render(turns: list[str], *, final: bool, stops: tuple[str, ...] = (), client_tools=frozenset(),
-           calls_possible: bool = True, cut: bool = True, codec: CallCodec = TAGGED_JSON) -> View:
+           calls_possible: bool = True, cut: bool = True, codec: CallCodec = TAGGED_JSON, repeats: bool = True) -> View:
     """The content and the calls of `client_tools` of an arc whose turns' texts are `turns` (in order).
 
     The content is the free text of every turn (the text before its first call), cut before
     the first stop string. The calls are those of the last turn that name one of
     `client_tools`. Unless `final`, text that a later token could still change is held back;
     when final, a call's opening cut short is dropped only if the budget may have `cut` the text.
+    Unless `repeats`, a call identical to an earlier one of the turn is not shown (nor, while it is
+    written, one that may still become such a repeat).
     """
     content = ""
     last = len(turns) - 1
@@ -65,12 +68,35 @@ def render(turns: list[str], *, final: bool, stops: tuple[str, ...] = (), client
         content = content.rstrip("\ufffd")
     calls: list[CallView] = []
     if turns and client_tools:
+        shown: list[PartialCall] = []
         for call in codec.scan(turns[-1], final=final):
             if call.name is None or call.name not in client_tools:
                 continue
+            if not repeats and _repeats(call, shown):
+                continue
+            shown.append(call)
             arguments = call.arguments if final else call.arguments.rstrip("\ufffd")
             calls.append(CallView(len(calls), call.name, arguments, call.complete))
     return View(content, calls)
+
+
+def _repeats(call: PartialCall, earlier: list[PartialCall]) -> bool:
+    """The call is identical to one of `earlier` (complete), or may still become so (being written)."""
+    for e in earlier:
+        if e.name != call.name:
+            continue
+        if not call.complete and e.arguments.startswith(call.arguments):
+            return True
+        if call.complete and _json(call.arguments) == _json(e.arguments) is not None:
+            return True
+    return False
+
+
+def _json(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def _partial(text: str, needles) -> int:
