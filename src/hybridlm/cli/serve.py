@@ -34,6 +34,9 @@ from hybridlm.cli.options import (
               help="Memory for the states of arcs stopped at a client-side tool call.")
 @click.option("--max-body-mb", default=8.0, show_default=True, type=click.FloatRange(min=0.001),
               help="Largest request body (413 beyond).")
+@click.option("--prefill-chunk", default=256, show_default=True, type=click.IntRange(min=0),
+              help="Most prompt tokens prefilled between two token steps of the running streams (a long prompt "
+                   "waits its turn chunk by chunk); 0: a prompt in one piece, the others waiting.")
 @click.option("--max-jumps", default=3, show_default=True, type=click.IntRange(min=0),
               help="Jump horizon of a request's server-side tool calls.")
 @click.option("--max-calls", default=3, show_default=True, type=click.IntRange(min=1),
@@ -60,8 +63,9 @@ from hybridlm.cli.options import (
 @precision_option("auto")
 @context_option
 def serve(model_spec, names, host, port, tools, kb, api_key, max_batch, max_queue, prefix_cache_mb,
-          continuation_mb, max_body_mb, max_jumps, max_calls, repeat_calls, max_arcs, allowed_hosts, allowed_origins,
-          log_level, threads, device, mcp, mcp_timeout, chat_template, precision, context_policy, tool_call_parser):
+          continuation_mb, max_body_mb, prefill_chunk, max_jumps, max_calls, repeat_calls, max_arcs, allowed_hosts,
+          allowed_origins, log_level, threads, device, mcp, mcp_timeout, chat_template, precision, context_policy,
+          tool_call_parser):
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, tools, streaming)."""
     from hybridlm.errors import InputError
     from hybridlm.server import Service, serve as run_server
@@ -104,7 +108,8 @@ def serve(model_spec, names, host, port, tools, kb, api_key, max_batch, max_queu
             return Service(model, model_id=tuple(served) or (name,), tools=reg if reg.tools else None,
                            max_batch=max_batch, max_queue=max_queue, prefix_cache_mb=prefix_cache_mb,
                            continuation_mb=continuation_mb, context=context_policy, max_jumps=max_jumps,
-                           max_calls=max_calls, repeat_calls=repeat_calls, max_arcs=max_arcs)
+                           max_calls=max_calls, repeat_calls=repeat_calls, max_arcs=max_arcs,
+                           prefill_chunk=prefill_chunk)
 
         def ready(bound_port: int) -> None:
             offered = ", ".join(t.name for t in reg) or "none"

@@ -3,9 +3,9 @@
 Each sequence is an `ArcState` with its own `HybridSystem`. One engine step
 
 1. admits the sequences that joined since the last step and advances the prefill of one of them
-   by one canonical segment (reusing cached prefixes): a long prompt is prefilled across steps,
-   interleaved with the token steps of the running rows, which so never wait longer than one
-   segment; a sequence whose prefill is complete joins the batch. It lands the jumps whose
+   by one chunk of at most `prefill_chunk` tokens (reusing cached prefixes): a long prompt is
+   prefilled across steps, interleaved with the token steps of the running rows, which so never
+   wait longer than one chunk; a sequence whose prefill is complete joins the batch. It lands the jumps whose
    external work finished (their observation enc(y) prefilled, the sequence back in q_G);
 2. classifies every sequence in q_G, HyEQ's way: in the jump set D (and below the jump
    horizon) it jumps, leaving the batch for q_E while its tool runs on a worker thread; in
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from hybridlm.engine.arc import Mode, Termination
-from hybridlm.engine.prefill import ContextPolicy, PrefixCache, inject, prefill_steps, truncate_for_step
+from hybridlm.engine.prefill import SEGMENT, ContextPolicy, PrefixCache, inject, prefill_steps, truncate_for_step
 from hybridlm.engine.sequence import ArcState
 from hybridlm.engine.system import Priority
 from hybridlm.errors import InputError
@@ -61,13 +61,20 @@ class EngineStats:
 
 
 class Engine:
-    """Advances every sequence in q_G by one token step at a time, in one batch."""
+    """Advances every sequence in q_G by one token step at a time, in one batch.
+
+    `prefill_chunk`: the most prompt tokens prefilled between two token steps of the running rows, and
+    the grid of the canonical segments (so of the prefix cache's keys); 0 prefills a prompt in one
+    piece, however long, while the running rows wait."""
 
     def __init__(self, model, *, max_batch: int = 64, priority: Priority | str = Priority.JUMPS,
                  context: ContextPolicy | str = ContextPolicy(), prefix_cache: PrefixCache | None = None,
-                 workers: int = 32) -> None:
+                 workers: int = 32, prefill_chunk: int = SEGMENT) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise InputError(f"max_batch={max_batch!r}: expected an integer ≥ 1")
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 0:
+            raise InputError(f"prefill_chunk={prefill_chunk!r}: expected an integer ≥ 0 (0: a prompt in one piece)")
+        self.prefill_chunk = prefill_chunk
         self.model = model
         self.max_batch = max_batch
         self.priority = Priority(priority)
@@ -181,7 +188,8 @@ class Engine:
                 s.x = s.continues.clone()
             if s.x is None:  # (a caller may hand over a state that holds the prompt already)
                 steps = prefill_steps(self.model, s.prompt, marks=s.marks, cache=self.prefix_cache,
-                                      soft_prefix=None if s.controls is None else s.controls.prefix, policy=self.context)
+                                      soft_prefix=None if s.controls is None else s.controls.prefix, policy=self.context,
+                                      segment=self.prefill_chunk or model.config.n_ctx)
                 with self._inputs([s]):
                     ended, value = _advance(steps)  # (the cache's lookup)
                 if not ended:
@@ -203,7 +211,7 @@ class Engine:
         self._joined(s)
 
     def _fill(self) -> None:
-        """One segment of the first prefill under way (the running rows wait for no more than that)."""
+        """One chunk of the first prefill under way (the running rows wait for no more than that)."""
         if not self.filling:
             return
         s, steps = self.filling[0]

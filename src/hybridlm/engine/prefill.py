@@ -29,7 +29,7 @@ import torch
 
 from hybridlm.errors import InputError
 
-SEGMENT = 256  # positions per canonical prefill segment (besides the caller's marks)
+SEGMENT = 256  # positions per canonical prefill segment (besides the caller's marks), by default
 
 
 # ---------------------------------------------------------------------- the context horizon
@@ -164,23 +164,25 @@ def compact_copy(state):
 
 
 # ---------------------------------------------------------------------- the prefill phase
-def segments(tokens: Sequence[int], marks: Iterable[int] = (), start: int = 0) -> list[tuple[int, int]]:
-    """The canonical segments [a, b) of tokens[start:]: boundaries at multiples of SEGMENT and at the marks."""
+def segments(tokens: Sequence[int], marks: Iterable[int] = (), start: int = 0,
+             size: int = SEGMENT) -> list[tuple[int, int]]:
+    """The canonical segments [a, b) of tokens[start:]: boundaries at multiples of `size` and at the marks."""
     end = len(tokens)
-    cuts = {b for b in range((start // SEGMENT + 1) * SEGMENT, end, SEGMENT)}
+    cuts = {b for b in range((start // size + 1) * size, end, size)}
     cuts |= {int(m) for m in marks if start < int(m) < end}
     bounds = [start, *sorted(cuts), end]
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 def prefill(model, tokens: Sequence[int], *, marks: Iterable[int] = (), cache: PrefixCache | None = None,
-            soft_prefix: torch.Tensor | None = None, policy: ContextPolicy = ContextPolicy()):
+            soft_prefix: torch.Tensor | None = None, policy: ContextPolicy = ContextPolicy(), segment: int = SEGMENT):
     """x_0 for the string `tokens` (one sequence), in canonical segments, reusing cached prefixes.
 
     A string longer than the horizon keeps its last `policy.keep(T)` tokens. With a soft prefix
     (a control input, hybridlm.control.inputs) the prefix rows come first and nothing is cached.
     """
-    steps = prefill_steps(model, tokens, marks=marks, cache=cache, soft_prefix=soft_prefix, policy=policy)
+    steps = prefill_steps(model, tokens, marks=marks, cache=cache, soft_prefix=soft_prefix, policy=policy,
+                          segment=segment)
     while True:
         try:
             next(steps)
@@ -190,10 +192,13 @@ def prefill(model, tokens: Sequence[int], *, marks: Iterable[int] = (), cache: P
 
 @torch.no_grad()
 def prefill_steps(model, tokens: Sequence[int], *, marks: Iterable[int] = (), cache: PrefixCache | None = None,
-                  soft_prefix: torch.Tensor | None = None, policy: ContextPolicy = ContextPolicy()):
-    """`prefill` one segment at a time, for an engine that interleaves a long prefill with the token
-    steps of its running rows: yields the tokens taken from the cache, then once after each segment;
-    returns x_0 (StopIteration's value)."""
+                  soft_prefix: torch.Tensor | None = None, policy: ContextPolicy = ContextPolicy(),
+                  segment: int = SEGMENT):
+    """`prefill` a chunk at a time, for an engine that interleaves a long prefill with the token steps
+    of its running rows: yields the tokens taken from the cache, then once after each chunk of at most
+    `segment` tokens (whole segments: a conversation's short ones go together); returns x_0
+    (StopIteration's value). `segment` is the grid of the canonical segments; the cache stays exact
+    whatever it is, since its keys are the segments themselves (a path of keys fixes the arithmetic)."""
     tokens = [int(i) for i in tokens]
     if not tokens:
         raise InputError("empty prompt: a sequence needs at least one token")
@@ -212,7 +217,7 @@ def prefill_steps(model, tokens: Sequence[int], *, marks: Iterable[int] = (), ca
     if len(tokens) > T:
         shift = len(tokens) - keep
         tokens, marks = tokens[shift:], [m - shift for m in marks]
-    parts = segments(tokens, marks)
+    parts = segments(tokens, marks, size=segment)
     keys = [tuple(tokens[a:b]) for a, b in parts]
     x, done = None, 0
     if cache is not None:
@@ -222,14 +227,17 @@ def prefill_steps(model, tokens: Sequence[int], *, marks: Iterable[int] = (), ca
     if x is None:
         x = model.empty_state(1, capacity=len(tokens))
     yield x.n if done else 0
-    ends = {b for b in range(SEGMENT, len(tokens) + 1, SEGMENT)} | set(marks)
+    ends = {b for b in range(segment, len(tokens) + 1, segment)} | set(marks)
+    since = 0  # tokens prefilled since the last yield: short segments (messages) share one chunk
     for i in range(done, len(parts)):
         a, b = parts[i]
+        if since and since + b - a > segment:
+            yield a
+            since = 0
         model.F(x, tokens[a:b])
+        since += b - a
         if cache is not None and b in ends:  # (a prompt's own tail is no prefix of another's segments)
             cache.put(keys[: i + 1], x)
-        if i + 1 < len(parts):
-            yield b
     return x
 
 

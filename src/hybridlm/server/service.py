@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from hybridlm.engine.arc import Mode, Termination
 from hybridlm.engine.engine import Engine
-from hybridlm.engine.prefill import ContextPolicy, PrefixCache, compact_copy
+from hybridlm.engine.prefill import SEGMENT, ContextPolicy, PrefixCache, compact_copy
 from hybridlm.engine.sequence import ArcState
 from hybridlm.server.wire import APIError
 
@@ -137,7 +137,7 @@ class Service:
     def __init__(self, model, *, model_id: str | tuple[str, ...], tools=None, max_batch: int = 32, max_queue: int = 256,
                  prefix_cache_mb: float = 256, continuation_mb: float = 256, max_arcs: int = 1000,
                  context: ContextPolicy | str = ContextPolicy(), max_jumps: int = 3, max_calls: int = 3,
-                 repeat_calls: bool = False) -> None:
+                 repeat_calls: bool = False, prefill_chunk: int = SEGMENT) -> None:
         self.model = model
         # the names a request's `model` may give (--served-model-name): the first is the model's id
         self.names = (model_id,) if isinstance(model_id, str) else tuple(model_id)
@@ -148,7 +148,8 @@ class Service:
         # the call horizon of one turn, and whether a turn may repeat a call it made (hybridlm.turns)
         self.max_calls, self.repeat_calls = max_calls, repeat_calls
         self.prefix_cache = PrefixCache(int(prefix_cache_mb * MB))
-        self.engine = Engine(model, max_batch=max_batch, context=context, prefix_cache=self.prefix_cache)
+        self.engine = Engine(model, max_batch=max_batch, context=context, prefix_cache=self.prefix_cache,
+                             prefill_chunk=prefill_chunk)
         self.continuations = Continuations(int(continuation_mb * MB))
         self.arcs = Arcs(max_arcs)
         self.counters = Counters()
