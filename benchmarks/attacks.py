@@ -22,13 +22,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import attack_probes as P  # (the probes live beside the tests that assert them)
 
 
-def fmt(x: float, unit: str = "") -> str:
+def fmt(x: float | None, unit: str = "") -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3g}{unit}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="the served model [default: the embedded SmolLM2-135M]")
+    parser.add_argument("--part", choices=["all", "requests", "others"], default="all",
+                        help="the request probes on one server, the others (own processes), or all")
     args = parser.parse_args()
     rows = []
 
@@ -40,12 +42,21 @@ def main() -> None:
                     f"| {fmt(health, ' s')}{fails} | {fmt(gap, ' s')} | {out.detail[:90].replace('|', '/')} |")
         print(rows[-1], flush=True)
 
+    if args.part != "others":
+        requests(args, row)
+    if args.part != "requests":
+        others(args, row)
+    print("\n| probe | status | time | RSS before → after | /health worst | stream's worst chunk gap | answer |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+def requests(args, row) -> None:
     served = P.Served("--tools", "calculator", "--mcp", f"{sys.executable} {P.MCP_SERVER}", "--max-batch", "4",
                       fds=256, model=args.model)
     from hybridlm.weights.loading import load_model
 
-    model = load_model(args.model)
-    specials = list(model.tokenizer.special_strings)
+    specials = list(load_model(args.model).tokenizer.special_strings)
     probes = [
         ("role injection: every special token in a tool observation", lambda s: P.role_injection(s, specials)),
         ("text/plain body", P.text_plain),
@@ -71,6 +82,11 @@ def main() -> None:
         row("SIGKILL of serve with an MCP server", P.kill_leaves_no_mcp_children(served))
     finally:
         served.stop()
+
+
+def others(args, row) -> None:
+    from hybridlm.weights.loading import load_model
+
     term = P.Served("--max-batch", "4", model=args.model)
     try:
         row("SIGTERM with a stream and a request in flight", P.sigterm_in_flight(term))
@@ -86,11 +102,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         row("agent --trace /dev/full", P.trace_to_full_disk())
         row("agent --trace through a symlink", P.trace_through_symlink(Path(tmp)))
-        row("trace replay of a forged budget (10⁹ steps)", P.forged_replay_budget(model, Path(tmp)))
+        row("trace replay of a forged budget (10⁹ steps)", P.forged_replay_budget(load_model(args.model), Path(tmp)))
     row("report /dev/zero", P.report_of_a_device())
-    print("\n| probe | status | time | RSS before → after | /health worst | stream's worst chunk gap | answer |")
-    print("|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
 
 
 if __name__ == "__main__":
