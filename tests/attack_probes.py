@@ -40,7 +40,7 @@ class Served:
 
     `fds` limits the descriptors it may hold (its connection cap is half of them)."""
 
-    def __init__(self, *args: str, fds: int | None = None, env: dict | None = None, model: str | None = None) -> None:
+    def __init__(self, *args: str, fds: int | None = None, model: str | None = None) -> None:
         cmd = [sys.executable, "-m", "hybridlm.cli", "serve", "--port", "0", "--log-level", "warning",
                *(["--model", model] if model else []), *args]
 
@@ -49,7 +49,7 @@ class Served:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (fds, fds))
 
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True, env={**os.environ, **(env or {})}, preexec_fn=limit)
+                                     text=True, preexec_fn=limit)
         self.log: collections.deque[str] = collections.deque(maxlen=200)
         deadline, line = time.monotonic() + 180, ""
         assert self.proc.stderr is not None
@@ -212,13 +212,6 @@ class Watch:
     @property
     def health_worst(self) -> float:
         return max(self.health, default=float("nan"))
-
-    @property
-    def health_p99(self) -> float:
-        if not self.health:
-            return float("nan")
-        ordered = sorted(self.health)
-        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
     @property
     def gap_worst(self) -> float:

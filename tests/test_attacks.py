@@ -141,7 +141,7 @@ def test_a_crashed_mcp_server_is_reconnected():
 
 
 # ====================================================================== files
-def test_a_trace_to_a_full_disk_ends_with_a_warning_and_the_answer(tmp_path):
+def test_a_trace_to_a_full_disk_ends_with_a_warning_and_the_answer():
     out = P.trace_to_full_disk()
     assert out.status == "exit 0", out
     assert "could not be written" in out.body["stderr"] and "Traceback" not in out.body["stderr"], out
