@@ -289,3 +289,29 @@ def test_server_spec_parsing():
     assert ServerSpec.parse("http://127.0.0.1:9/mcp").url == "http://127.0.0.1:9/mcp"
     spec = ServerSpec.parse(f"{sys.executable} '{SERVER}' --flag")
     assert (spec.command, spec.args, spec.label) == (sys.executable, [str(SERVER), "--flag"], "mcp_server")
+
+
+def test_message_lines_bound_each_message_whatever_the_chunks():
+    """MessageLines (the stdio reader): the same messages whatever the chunking; a line over the limit is
+    dropped and answered as an error to the request it answered (the next message parses as usual)."""
+    from hypothesis import given, settings, strategies as st
+
+    from hybridlm.tools.mcp import MessageLines, _TOO_LARGE
+
+    big = json.dumps({"jsonrpc": "2.0", "id": 7, "result": {"content": [{"type": "text", "text": "x" * 5000}]}})
+    small = json.dumps({"jsonrpc": "2.0", "id": 8, "result": {"content": [{"type": "text", "text": "42"}]}})
+    stream = (big + "\n\n" + small + "\n").encode()
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(st.integers(1, len(stream)), max_size=12))
+    def check(cuts):
+        lines, out, at = MessageLines(4096), [], 0
+        for cut in sorted(cuts) + [len(stream)]:
+            out += lines.feed(stream[at:cut])
+            at = max(at, cut)
+        assert len(out) == 2 and lines.size == 0
+        dropped, answered = (m.message for m in out)
+        assert dropped.id == 7 and dropped.error.code == _TOO_LARGE and "4,096 bytes" in dropped.error.message
+        assert answered.id == 8 and answered.result["content"][0]["text"] == "42"
+
+    check()

@@ -206,6 +206,7 @@ def replay(trace_path: str | Path, model) -> tuple[Arc, bool, int | None]:
     step where they differ (None when identical). A recording without an end event (the run
     was killed) is compared as far as it goes: the replay stops once it has made every recorded
     token step and jump (its arc ends `cancelled`), and is identical when it made the same tokens.
+    Whatever the recorded limits say, a replay ends one token step or jump past the recording.
     """
     from hybridlm.engine.trace import cut_short, read_trace
 
@@ -220,8 +221,11 @@ def replay(trace_path: str | Path, model) -> tuple[Arc, bool, int | None]:
     tools = ToolRegistry()
     for schema in start["tools"]:
         tools.register(Tool(schema["name"], schema["description"], schema["parameters"], _not_called))
-    # (the limits stay the recording's: the turn's constraint reads its budget, so a smaller one would change
-    # the tokens near its end; bounding a forged budget needs a horizon of its own)
+    # The recording is the replay's horizon, one of its own: the limits stay the recording's (the turn's
+    # constraint reads its budget, so a smaller one would change the tokens near its end), and the replay
+    # is cancelled once it steps past the recording (a forged budget in the start event cannot make it run
+    # on); a faithful replay never gets there. A cut recording stops at its last step: past it there is
+    # nothing to compare with.
     jumps = [e for e in events if e["event"] == "jump"]
     agent = HybridAgent(model, tools, kernel=Kernel(**start["kernel"]), limits=Limits(**start["limits"]),
                         tool_choice=start["tool_choice"], seed=start["seed"], constrain=start.get("constrain", True),
@@ -229,23 +233,24 @@ def replay(trace_path: str | Path, model) -> tuple[Arc, bool, int | None]:
                         context=start.get("context") or ContextPolicy())
     agent.replay = jumps
     cut = cut_short(events)
-    if not cut:
-        arc = agent.run(start["task"])
-    else:  # past the recording's last step there is nothing to compare with: stop there, not at the run's end
-        s = agent.sequence(start["task"])
-        engine = Engine(model, context=agent.context, prefix_cache=agent.prefix_cache)
+    s = agent.sequence(start["task"])
+    engine = Engine(model, context=agent.context, prefix_cache=agent.prefix_cache)
 
-        class StopAtTheCut:
-            landed = 0
+    class Horizon:
+        landed = 0
 
-            def on_event(self, s, event) -> None:
-                self.landed += event.kind == "jump"
-                if s.t >= len(recorded) and self.landed >= len(jumps):
-                    engine.cancel(s)  # taken at the next engine step
+        def on_event(self, s, event) -> None:
+            self.landed += event.kind == "jump"
+            if cut:
+                past = s.t >= len(recorded) and self.landed >= len(jumps)
+            else:
+                past = s.t > len(recorded) or self.landed > len(jumps)
+            if past:
+                engine.cancel(s)  # taken at the next engine step
 
-        s.observers.append(StopAtTheCut())
-        engine.solve([s])
-        arc = s.result
+    s.observers.append(Horizon())
+    engine.solve([s])
+    arc = s.result
     ours = arc.generated_ids[:len(recorded)] if cut else arc.generated_ids
     first = next((i + 1 for i, (a, b) in enumerate(zip(ours, recorded)) if a != b), None)
     if first is None and len(ours) != len(recorded):

@@ -235,14 +235,14 @@ def create_app(service: Service | None, *, api_key: str | None = None, max_body_
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         authorize(request)
-        body = parse_chat(await body_of(request))
+        body = await run_in_threadpool(parse_chat, await body_of(request))  # (a big body's checks are not the loop's)
         prep = await run_in_threadpool(H.prepare_chat, svc(), body)
         return await run(request, prep, H.chat_response)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         authorize(request)
-        body = parse_completion(await body_of(request))
+        body = await run_in_threadpool(parse_completion, await body_of(request))
         prep = await run_in_threadpool(H.prepare_completion, svc(), body)
         return await run(request, prep, H.completion_response)
 

@@ -17,6 +17,7 @@ otherwise (docs/server.md has the table).
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 import pydantic
@@ -205,7 +206,10 @@ def known_fields(cls: type[BaseModel]) -> frozenset[str]:
 def json_object(raw: bytes | str | dict) -> dict:
     """The body as a JSON object without its null fields (a null is the parameter's default), or an
     APIError (400): not JSON, not an object, or a string that is not text."""
+    escaped = True  # (a dict given: it may hold anything)
     if isinstance(raw, (bytes, bytearray, str)):
+        # JSON text can spell a surrogate only as a \\uD800-\\uDFFF escape: without one the walk below is skipped
+        escaped = _SURROGATE_ESCAPE.search(raw if isinstance(raw, str) else raw.decode("latin-1")) is not None
         try:
             data = json.loads(raw)
         except RecursionError:
@@ -218,16 +222,22 @@ def json_object(raw: bytes | str | dict) -> dict:
         raise invalid(f"the request body must be a JSON object, got a JSON {type(data).__name__}")
     # an explicit null is the parameter's default, as OpenAI, vLLM and llama.cpp read it ("n": null)
     data = {k: v for k, v in data.items() if v is not None}
-    where = _lone_surrogate(data)
+    where = _lone_surrogate(data) if escaped else None
     if where is not None:
         raise invalid(f"'{where}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair): "
                       "not text", param=where or None)
     return data
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def parse_body(raw: bytes | str | dict, cls: type[Body]) -> Body:
     """The body as `cls`, or an APIError (400) naming the first bad parameter."""
-    data = json_object(raw)
+    return _validate(json_object(raw), cls)
+
+
+def _validate(data: dict, cls: type[Body]) -> Body:
     unknown = [k for k in data if k not in known_fields(cls) and k not in OPENAI_NO_EFFECT]
     if unknown:
         name = str(unknown[0])[:60]
@@ -281,8 +291,9 @@ def _union_branch(part) -> bool:
 
 
 def parse_chat(raw) -> ChatBody:
-    body = parse_body(raw, ChatBody)
-    _check_counts(body)
+    data = json_object(raw)
+    _check_counts(data)
+    body = _validate(data, ChatBody)
     _check_sampling(body)
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
@@ -313,7 +324,9 @@ def parse_chat(raw) -> ChatBody:
 
 
 def parse_completion(raw) -> CompletionBody:
-    body = parse_body(raw, CompletionBody)
+    data = json_object(raw)
+    _check_counts(data)
+    body = _validate(data, CompletionBody)
     _check_sampling(body)
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed with stream: true", param="stream_options")
@@ -357,21 +370,30 @@ MAX_BIAS = 100  # OpenAI's bound on a logit bias
 MAX_ID_DIGITS = 9  # a token id has fewer digits than this (vocabularies are far below 10⁹)
 
 
-def _check_counts(body: ChatBody) -> None:
-    """The cheap bounds, before any check that walks the conversation."""
-    if len(body.messages) > MAX_MESSAGES:
-        raise invalid(f"{len(body.messages):,} messages: at most {MAX_MESSAGES}", param="messages")
-    if body.tools is not None and len(body.tools) > MAX_TOOLS:
-        raise invalid(f"{len(body.tools):,} tools: at most {MAX_TOOLS}", param="tools")
-    for i, m in enumerate(body.messages):
-        if m.tool_calls is not None and len(m.tool_calls) > MAX_CALLS:
-            raise invalid(f"messages[{i}] has {len(m.tool_calls):,} tool calls: at most {MAX_CALLS}",
-                          param=f"messages[{i}].tool_calls")
+def _check_counts(data: dict) -> None:
+    """The cheap bounds, on the JSON object before it is validated (validation walks the whole of it): a body of
+    85,000 tool calls or 10,000 messages is refused after a count, not after seconds of work."""
+    messages, tools, bias = data.get("messages"), data.get("tools"), data.get("logit_bias")
+    if isinstance(messages, list):
+        if len(messages) > MAX_MESSAGES:
+            raise invalid(f"{len(messages):,} messages: at most {MAX_MESSAGES}", param="messages")
+        calls = 0
+        for i, m in enumerate(messages):
+            listed = m.get("tool_calls") if isinstance(m, dict) else None
+            if isinstance(listed, list):
+                if len(listed) > MAX_CALLS:
+                    raise invalid(f"messages[{i}] has {len(listed):,} tool calls: at most {MAX_CALLS}",
+                                  param=f"messages[{i}].tool_calls")
+                calls += len(listed)
+        if calls > MAX_MESSAGES:  # (each call is answered by a message of its own)
+            raise invalid(f"{calls:,} tool calls in the conversation: at most {MAX_MESSAGES}", param="messages")
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
+        raise invalid(f"{len(tools):,} tools: at most {MAX_TOOLS}", param="tools")
+    if isinstance(bias, dict) and len(bias) > MAX_LOGIT_BIAS:
+        raise invalid(f"logit_bias has {len(bias):,} entries: at most {MAX_LOGIT_BIAS}", param="logit_bias")
 
 
 def _check_sampling(body: _Sampling) -> None:
-    if body.logit_bias is not None and len(body.logit_bias) > MAX_LOGIT_BIAS:
-        raise invalid(f"logit_bias has {len(body.logit_bias):,} entries: at most {MAX_LOGIT_BIAS}", param="logit_bias")
     for key, bias in (body.logit_bias or {}).items():
         if not (key.isascii() and key.isdigit()) or len(key) > MAX_ID_DIGITS:
             raise invalid(f"logit_bias key {key[:24]!r}: expected a token id (at most {MAX_ID_DIGITS} digits)",

@@ -18,7 +18,9 @@ waited for with a timeout. Every failure is an error observation, named:
     timeout               no result within the timeout (the request is cancelled)
     server_disconnected   the server exited, was killed or closed the connection
     server_error          the server answered the request with a protocol error
-    too_large             the result exceeds the registry's output cap
+    too_large             the result exceeds the registry's output cap, or (stdio) one message
+                          from the server exceeds `max_message_bytes`: it is dropped as it arrives,
+                          never held whole, and the session goes on
 
 A structured result (`structuredContent`) is injected as its JSON text, otherwise the
 text of the content blocks. `close()` leaves the sessions, which closes the stdio
@@ -54,6 +56,8 @@ DEFAULT_TIMEOUT_S = 30.0  # a tool call
 CONNECT_TIMEOUT_S = 30.0  # starting a server, the handshake and listing its tools
 _GRACE_S = 2.0  # the registry's own guard waits this much longer than our timeout
 MAX_BACKOFF_S = 30.0  # the longest wait between reconnection attempts to a broken server
+MAX_MESSAGE_BYTES = 4 * 2**20  # one JSON-RPC message from a stdio server (a bigger one is dropped as it streams)
+_TOO_LARGE = -32090  # the error code of the answer that stands in for a dropped message (JSON-RPC's server range)
 # A stdio server is started through this: the kernel sends it SIGTERM when the thread that started it
 # (ours) dies, however this process ends (a kill -9 included); execvp keeps the request (Linux only).
 _DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM); "
@@ -129,9 +133,10 @@ class MCPServers:
     """Sessions with MCP servers on a background event loop, and their tools as `Tool`s."""
 
     def __init__(self, specs: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
         check_timeout(timeout_s, "MCP timeout")
         self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
+        self.max_message_bytes = int(max_message_bytes)
         self.connections = [_Connection(ServerSpec.parse(s)) for s in specs]
         self.tools: list[Tool] = []
         self._loop = asyncio.new_event_loop()
@@ -190,7 +195,6 @@ class MCPServers:
                 conn.dead = conn.dead or "the session was closed"
 
     def _transport(self, conn: _Connection):
-        from mcp.client.stdio import StdioServerParameters, stdio_client
         from mcp.client.streamable_http import streamable_http_client
 
         if conn.spec.url:
@@ -201,8 +205,7 @@ class MCPServers:
         command, args = str(conn.spec.command), list(conn.spec.args)
         if sys.platform.startswith("linux"):
             command, args = sys.executable, ["-c", _DIE_WITH_PARENT, command, *args]
-        return stdio_client(StdioServerParameters(command=command, args=args, env=dict(os.environ)),
-                            errlog=conn.errlog)
+        return bounded_stdio(command, args, env=dict(os.environ), errlog=conn.errlog, max_bytes=self.max_message_bytes)
 
     # ------------------------------------------------------------------ tools
     def _build_tools(self) -> None:
@@ -250,6 +253,8 @@ class MCPServers:
                 return _timeout(where, self.timeout_s)
             if exc.code == CONNECTION_CLOSED:
                 return self._disconnected(conn, where, exc)
+            if exc.code == _TOO_LARGE:
+                return Observation(f"error: {where}: {exc.message}", "too_large")
             return Observation(f"error: {where}: the server answered with error {exc.code}: {exc.message}",
                                "server_error")
         except Exception as exc:  # noqa: BLE001 - a broken transport (HTTP refused, reset, ...)
@@ -336,6 +341,124 @@ class MCPServers:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# ---------------------------------------------------------------------- stdio, one message at most so many bytes
+class MessageLines:
+    """Newline-delimited JSON-RPC messages cut from a byte stream, each at most `max_bytes`: the bytes of a
+    longer line are dropped as they arrive (never joined), and its end yields an error answer to the request
+    it answered (its id read from the line's head), so the call fails at once and the session goes on."""
+
+    HEAD = 4096  # bytes of a dropped line kept to find its id
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.dropped: bytes | None = None  # the head of the line being dropped
+
+    def feed(self, chunk: bytes) -> list:
+        """The messages (SessionMessage) and parse errors (Exception) that `chunk` completes."""
+        out: list = []
+        while chunk:
+            cut = chunk.find(b"\n")
+            piece, chunk = (chunk, b"") if cut < 0 else (chunk[:cut], chunk[cut + 1:])
+            if self.dropped is None:
+                self.parts.append(piece)
+                self.size += len(piece)
+                if self.size > self.max_bytes:
+                    self.dropped = b"".join(self.parts)[: self.HEAD]
+                    self.parts, self.size = [], 0
+            if cut < 0:
+                continue
+            if self.dropped is not None:
+                out.append(self._refusal(self.dropped))
+                self.dropped = None
+            else:
+                line = b"".join(self.parts)
+                self.parts, self.size = [], 0
+                if line.strip():
+                    out.append(_message(line))
+        return out
+
+    def _refusal(self, head: bytes):
+        import re
+
+        from mcp.shared.message import SessionMessage
+        from mcp_types import jsonrpc_message_adapter
+
+        ends = [i for i in (head.find(b'"result"'), head.find(b'"error"')) if i >= 0]
+        found = re.search(rb'"id"\s*:\s*(-?\d+|"(?:[^"\\]|\\.)*")', head[: min(ends, default=len(head))])
+        why = f"the server's answer is over the limit of {self.max_bytes:,} bytes for one message (it was dropped)"
+        if found is None:  # (not an answer we can name: the call it answered runs into its timeout)
+            return ValueError(why)
+        answer = {"jsonrpc": "2.0", "id": json.loads(found.group(1)), "error": {"code": _TOO_LARGE, "message": why}}
+        return SessionMessage(jsonrpc_message_adapter.validate_python(answer, by_name=False))
+
+
+def _message(line: bytes):
+    from mcp.shared.message import SessionMessage
+    from mcp_types import jsonrpc_message_adapter
+
+    try:
+        return SessionMessage(jsonrpc_message_adapter.validate_json(line, by_name=False))
+    except ValueError as exc:
+        return exc
+
+
+@contextlib.asynccontextmanager
+async def bounded_stdio(command: str, args: list[str], *, env: dict[str, str], errlog, max_bytes: int):
+    """The stdio transport of an MCP server (a process in its own process group, newline-delimited JSON-RPC
+    on its stdin and stdout), reading each message with a byte limit (`MessageLines`); the SDK's reader
+    joins a line's chunks as they come, so a 100 MB answer held the session for minutes. Shutdown as the
+    protocol asks: stdin closed, a grace period, then the process group terminated."""
+    import anyio
+    from mcp.os.posix.utilities import terminate_posix_process_tree
+
+    process = await anyio.open_process([command, *args], env=env, stderr=errlog, start_new_session=True)
+    stdin, stdout = process.stdin, process.stdout
+    assert stdin is not None and stdout is not None  # (opened with pipes)
+    to_session, from_server = anyio.create_memory_object_stream[Any](0)  # messages and parse errors
+    to_server, from_session = anyio.create_memory_object_stream[Any](0)
+    closed = (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, OSError)
+
+    async def read() -> None:
+        lines = MessageLines(max_bytes)
+        async with to_session:
+            with contextlib.suppress(*closed):
+                async for chunk in stdout:
+                    for item in lines.feed(chunk):
+                        await to_session.send(item)
+
+    async def write() -> None:
+        try:
+            async with from_session:
+                async for sent in from_session:
+                    text = sent.message.model_dump_json(by_alias=True, exclude_unset=True)
+                    await stdin.send((text + "\n").encode())
+        except closed:
+            await to_session.aclose()  # the session sees the connection end rather than waiting for ever
+
+    async def stop() -> None:
+        with contextlib.suppress(*closed):
+            await stdin.aclose()
+        with anyio.move_on_after(2.0):
+            while process.returncode is None:
+                await anyio.sleep(0.02)
+        if process.returncode is None:
+            await terminate_posix_process_tree(process, 2.0)
+        with contextlib.suppress(*closed):
+            await stdout.aclose()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(read)
+        tasks.start_soon(write)
+        try:
+            yield from_server, to_server
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stop()
+            tasks.cancel_scope.cancel()
 
 
 def check_timeout(timeout_s: float, what: str) -> None:
