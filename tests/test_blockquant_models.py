@@ -81,3 +81,29 @@ def test_file_grid_batch_invariant(name):
     together = [x.logits for x in states]
     for a, b in zip(alone, together):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_file_grid_token_steps_are_the_exact_greedy_path(name, monkeypatch):
+    """200 greedy token steps on the grid (the compiled token step: Gemma's QK-norm, post-norms,
+    GeGLU and two rotary bases included) against the float32 path on the dequantised weights, one
+    prefill of the same text: each generated token is the exact path's argmax at its position."""
+    from hybridlm.lm import kernels
+
+    model = grid_model(name)
+    calls: list[int] = []
+    monkeypatch.setattr(kernels.BlockKernel, "blocks",
+                        lambda self, *a, _f=kernels.BlockKernel.blocks, **k: calls.append(a[1]) or _f(self, *a, **k))
+    prompt = model.tokenizer.encode(TEXT)[:24]
+    x = model.init_state(torch.tensor(prompt), capacity=len(prompt) + POSITIONS)
+    tokens = []
+    for _ in range(POSITIONS):
+        tokens.append(int(model.G(x)[0].argmax()))
+        model.F(x, [tokens[-1]])
+    assert kernels.blocks() is None or calls.count(model.config.n_layer) == POSITIONS  # every step whole
+    del model
+    gc.collect()
+    exact = load_model(name, precision="float32")
+    with torch.no_grad():
+        z = exact(torch.tensor([prompt + tokens[:-1]]))[0, len(prompt) - 1 :]
+    assert z.argmax(-1).tolist() == tokens

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from hybridlm.bench.layers import arc_rates
+from hybridlm.bench.side import llama_side
 
 TEXT = (
     "The river valley was settled by farmers who came from the hills in the spring. They cleared the "
@@ -169,33 +170,10 @@ def llama_cpp_contender(model, threads: int, n_ctx: int) -> Contender | None:
     if path is None:
         return None
     try:
-        from llama_cpp import Llama
+        _, decode, prefill, step_time = llama_side(str(path), threads, n_ctx)  # (the real-model bench's runner)
     except ImportError:
         return None
-    llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                n_batch=512, verbose=False)
     quant = Path(path).stem.split(".")[-1].split("-")[-1]
-
-    def decode(ids, n):
-        llm.reset()
-        out = []
-        for tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):
-            out.append(tok)
-            if len(out) == n:
-                break
-        return out
-
-    def prefill(ids):
-        llm.reset()
-        llm.eval(ids)
-
-    def step_time(ids, steps):
-        llm.reset()
-        llm.eval(ids[:-1])
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            llm.eval([ids[-1]])
-        return (time.perf_counter() - t0) / steps
 
     def kv_bytes(ids):  # llama.cpp keeps K and V in float16 for each held position
         c = model.config

@@ -43,6 +43,8 @@ def hybridlm_side(path: str, threads: int):
 
 
 def llama_side(path: str, threads: int, n_ctx: int):
+    """llama.cpp on the file: (name, decode, prefill, step_time), the one llama.cpp runner of the
+    benches (`hybridlm.bench.run` takes it too). ImportError without llama_cpp."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)

@@ -134,10 +134,16 @@ class Attention(DirectModule):
         return hooked.sum(2) if b is None else hooked.sum(2) + b
 
     def _normed(self, heads):
-        """q and k of every head through their RMSNorms (v as it is)."""
+        """q and k of every head through their RMSNorms (v as it is). A token step's rows take the
+        compiled norm over each head's d_k entries, the one a compiled block runs (layer.c)."""
         H, H_kv = self.n_head, self.n_kv_head
         q, k, v = heads[:, :, :H], heads[:, :, H : H + H_kv], heads[:, :, H + H_kv :]
-        return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=2)
+        assert self.q_norm is not None and self.k_norm is not None
+        params = (self.q_norm.weight, self.k_norm.weight)
+        kernel = kernels.step_kernel((heads[:, :, 0],), params) if heads.shape[1] == 1 else None
+        if kernel is None:
+            return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=2)
+        return torch.cat([self.q_norm.compiled(kernel, q), self.k_norm.compiled(kernel, k), v], dim=2)
 
     def _attend(self, heads, pos, state, rotary):
         """O = A V of every head, [B, m, H, d_k] (after hook_z), from the fused projections."""

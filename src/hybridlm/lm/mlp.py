@@ -73,8 +73,8 @@ class SwiGLU(DirectModule):
 
 
 class GeGLU(SwiGLU):
-    """SwiGLU's parts and hook points with the gate through GELU-tanh (Gemma). The compiled blocks
-    compute SwiGLU only, so a block with this MLP takes its parts' forwards."""
+    """SwiGLU's parts and hook points with the gate through GELU-tanh (Gemma): GELU-tanh(g), then
+    ⊙ u, the two roundings a compiled block makes too."""
 
     @staticmethod
     def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -309,6 +309,8 @@ class DecoderLM(StateSpaceForm, HookedModule, Recordable):
             state.reserve(m)
         h = self.embed(ids, pos) if prefix is None else self.embed(ids, pos, prefix)
         rotary = self.rotary  # (read once; slicing a ModuleList builds a new one, so only when asked)
+        if rotary is not None:
+            rotary.reach(start + m)
         if layers is not None and not (isinstance(layers, int) and not isinstance(layers, bool)
                                        and 0 <= layers <= self.config.n_layer):
             raise InputError(f"layers={layers!r}: expected a number of blocks 0 ≤ layers ≤ {self.config.n_layer}")
@@ -369,6 +371,8 @@ class DecoderLM(StateSpaceForm, HookedModule, Recordable):
         self.hook_ctx.pos = pos
         h = self.embed(ids, pos)
         rotary = self.rotary
+        if rotary is not None:
+            rotary.reach(int(pos.max()) + 1)
         h = run_blocks(self.blocks, h, pos, batch, rotary, token_step(self, h, batch, rotary))
         batch.commit(ids)
         return self.readout(h)[:, -1]

@@ -60,9 +60,7 @@ class RMSNorm(DirectModule):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         kernel = kernels.step_kernel((h,), (self.weight,))
         if kernel is not None:
-            if not self.hook_normalized.active:
-                return kernel.norm(h, True, self.eps, self.weight, None)
-            return self.weight * self.hook_normalized(kernel.norm(h, True, self.eps, None, None))
+            return self.compiled(kernel, h)
         if h.dtype == torch.float32:  # fused, the same bits; hooked: γ applied after the hook point
             if not self.hook_normalized.active:
                 return F.rms_norm(h, h.shape[-1:], self.weight, self.eps)
@@ -70,6 +68,13 @@ class RMSNorm(DirectModule):
         h32 = h.float()  # (as transformers does: the mean square in float32 whatever the dtype)
         inv_rms = (h32 * h32).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
         return self.weight * self.hook_normalized((h32 * inv_rms).to(h.dtype))
+
+    def compiled(self, kernel: kernels.BlockKernel, h: torch.Tensor) -> torch.Tensor:
+        """The norm of each row of h (its last axis) through the compiled kernel: x̂ ⊙ γ in one call,
+        or x̂, the hook point, then γ (the same two roundings)."""
+        if not self.hook_normalized.active:
+            return kernel.norm(h, True, self.eps, self.weight, None)
+        return self.weight * self.hook_normalized(kernel.norm(h, True, self.eps, None, None))
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:

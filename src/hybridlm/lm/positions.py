@@ -35,6 +35,9 @@ class LearnedPositions(DirectModule):
         return self.hook_pos_embed(self.W_p[pos])
 
 
+_FIRST_ROWS = 2048  # the rotary tables' first length (`Rotary.reach` doubles it as positions need)
+
+
 class Rotary(DirectModule):
     """Rotation of query/key coordinate pairs (j, j + d_k/2) by pos · θ_j.
 
@@ -56,20 +59,40 @@ class Rotary(DirectModule):
         inv_freq = 1.0 / (base ** (torch.arange(0, d_k, 2, dtype=torch.float32) / d_k))
         if factors is not None:
             inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
-        angles = torch.outer(torch.arange(cfg.n_ctx, dtype=torch.float32), inv_freq)
-        cos, sin = angles.cos(), angles.sin()
-        if cfg.rope_attn_factor != 1.0 and not local:
-            cos, sin = cos * cfg.rope_attn_factor, sin * cfg.rope_attn_factor
-        self.register_buffer("cos", torch.cat([cos, cos], dim=-1), persistent=False)
-        self.register_buffer("sin", torch.cat([-sin, sin], dim=-1), persistent=False)
+        self._inv_freq, self._factor, self._horizon = inv_freq, 1.0 if local else cfg.rope_attn_factor, cfg.n_ctx
+        # The tables hold the positions reached so far (`reach`), not the whole horizon T: a row's
+        # entries do not depend on the table's length, and at T = 32768 and d_k = 256 the two
+        # tables of both bases would be 128 MB, a third of a small model's file.
+        cos, sin = self._table(min(cfg.n_ctx, _FIRST_ROWS))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         self._phases: tuple = (None, None, None, None)  # (pos, dtype, cos, sin) of the last call
         # the local blocks' table, where their base differs (their `Attention` picks it)
         self.local = Rotary(cfg, local=True) if cfg.rope_local_theta is not None and not local else None
+
+    def _table(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = torch.outer(torch.arange(rows, dtype=torch.float32), self._inv_freq)
+        cos, sin = angles.cos(), angles.sin()
+        if self._factor != 1.0:
+            cos, sin = cos * self._factor, sin * self._factor
+        return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+    def reach(self, n: int) -> None:
+        """Make the tables hold positions 0 … n − 1 (at most T): doubled when they fall short."""
+        if n > self.cos.shape[0] and self.cos.shape[0] < self._horizon:
+            cos, sin = self._table(min(self._horizon, max(n, 2 * self.cos.shape[0])))
+            self.cos = cos.to(self.cos.device, self.cos.dtype)
+            self.sin = sin.to(self.sin.device, self.sin.dtype)
+            self._phases = (None, None, None, None)
+        if self.local is not None:
+            self.local.reach(n)
 
     def phases(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos θ and signed sin θ at positions pos, shaped [n, 1, d_k] to broadcast over heads."""
         last_pos, last_dtype, cos, sin = self._phases
         if pos is not last_pos or dtype != last_dtype:
+            if pos.numel():
+                self.reach(int(pos.max()) + 1)
             cos, sin = self.cos[pos, None].to(dtype), self.sin[pos, None].to(dtype)
             self._phases = (pos, dtype, cos, sin)
         return cos, sin

@@ -37,7 +37,7 @@ import torch
 from hybridlm.lm import kernels
 from hybridlm.lm.attention import Attention
 from hybridlm.lm.direct import member_edits
-from hybridlm.lm.mlp import GeluMLP, SwiGLU
+from hybridlm.lm.mlp import GeGLU, GeluMLP, SwiGLU
 from hybridlm.lm.norm import LayerNorm, RMSNorm
 from hybridlm.lm.state import ForkedState, KVState, StateBatch, step_rows
 
@@ -49,12 +49,12 @@ class TokenStep:
     values lie (`state.step_rows`), the rotary tables, the model's sizes and its blocks' specs;
     `fork`, where the rows are a fork's candidates of one state (`state.ForkedState`)."""
 
-    def __init__(self, kernel: kernels.BlockKernel, table: "SpecTable", rows: torch.Tensor, cos, sin,
+    def __init__(self, kernel: kernels.BlockKernel, table: "SpecTable", rows: torch.Tensor, tables: kernels.Tables,
                  fork: ForkedState | None = None) -> None:
-        self.kernel, self.table, self.rows, self.cos, self.sin, self.fork = kernel, table, rows, cos, sin, fork
+        self.kernel, self.table, self.rows, self.tables, self.fork = kernel, table, rows, tables, fork
 
     def attention(self, spec: kernels.BlockSpec, h: torch.Tensor) -> torch.Tensor:
-        return self.kernel.attention(spec, self.table.sizes, h, self.rows, self.cos, self.sin)
+        return self.kernel.attention(spec, self.table.sizes, h, self.rows, self.tables)
 
     def mlp(self, spec: kernels.BlockSpec, h: torch.Tensor) -> torch.Tensor:
         return self.kernel.mlp(spec, self.table.sizes, h)
@@ -69,7 +69,7 @@ class TokenStep:
         if self.fork is not None:
             cfg = self.table.config
             own = h.new_empty(count, 2, h.shape[0], cfg.n_kv_head, cfg.d_head)
-        self.kernel.blocks(address, count, self.table.sizes, h, self.rows, self.cos, self.sin, taps, inner, own)
+        self.kernel.blocks(address, count, self.table.sizes, h, self.rows, self.tables, taps, inner, own)
         if self.fork is not None and own is not None:
             for i in range(count):
                 self.fork.write(first + i, own[i, 0], own[i, 1])
@@ -79,7 +79,8 @@ def token_step(model, h: torch.Tensor, state, rotary) -> TokenStep | None:
     """The compiled blocks for this forward's rows, or None: they run where the rows are a token
     step's (one position per sequence, float32 on the CPU, outside autograd) against a `KVState`,
     a ragged `StateBatch` or a fork of one state, whose buffers are float32, and the rotary tables
-    (if any) are too."""
+    (if any, the local blocks' too) are too. (The tables live as long as the model: the step keeps
+    their addresses.)"""
     kernel = kernels.blocks()
     if kernel is None or h.shape[1] != 1 or not kernel.takes(h):
         return None
@@ -95,12 +96,13 @@ def token_step(model, h: torch.Tensor, state, rotary) -> TokenStep | None:
     if rows is None or (fork is None and rows.shape[1] != h.shape[0]):
         return None
     tables = kernels.rotary_tables(rotary)
-    if tables is None:
+    local = tables if rotary is None or rotary.local is None else kernels.rotary_tables(rotary.local)
+    if tables is None or local is None:
         return None
     table = model.__dict__.get("_spec_table")
     if table is None or table.config is not model.config:
         table = model.__dict__["_spec_table"] = SpecTable(model.config)
-    return TokenStep(kernel, table, rows, *tables, fork)
+    return TokenStep(kernel, table, rows, kernels.Tables(*map(kernels.address, tables + local)), fork)
 
 
 def run_blocks(blocks, h: torch.Tensor, pos: torch.Tensor, state, rotary, step: TokenStep | None) -> torch.Tensor:
@@ -153,7 +155,7 @@ def tap_layout(cfg, n: list[int]) -> list[int]:
     """Offsets (floats) of each state of `_TAPS` in a block's taps, and the end, for rows at lengths n."""
     R, D, H, H_kv, d = len(n), cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.d_head
     keys = sum(H * (n_b + 1) for n_b in n)
-    up = (2 if cfg.mlp == "swiglu" else 1) * cfg.d_mlp
+    up = (1 if cfg.mlp == "gelu" else 2) * cfg.d_mlp
     sizes = [R * D, R * D, R * (H + 2 * H_kv) * d, keys, keys, R * H * d, R * D, R * D, R * D, R * up,
              R * cfg.d_mlp, R * D, R * D]
     offsets = [0]
@@ -203,7 +205,7 @@ def _replay(block, tap: torch.Tensor, layout: list[int], inner: bool, pos: torch
         mlp = block.mlp
         block.ln2.hook_normalized(rows("xhat2", D))
         pre = part["pre"].view(R, 1, -1)
-        if type(mlp) is SwiGLU:
+        if isinstance(mlp, SwiGLU):  # (GeGLU too)
             mlp.hook_pre(pre[..., : mlp.d_mlp])
             mlp.hook_pre_linear(pre[..., mlp.d_mlp :])
         else:
@@ -231,7 +233,8 @@ class _Built(NamedTuple):
     parts: list  # `_parts`: modules, residual hook points, tensors
     tensors: list
     addresses: tuple  # the tensors' addresses
-    inner: tuple  # the hook points inside the sublayers
+    inner: tuple  # the hook points inside the sublayers the taps serve
+    staged: tuple  # hook points the taps do not serve (QK-norm's, the post-norms'): attached, the block is staged
     constants: tuple  # `_constants`
 
     @property
@@ -254,7 +257,7 @@ class SpecTable:
         """The block's spec, or None where its sublayers cannot run compiled: a hook point inside
         them attached, or a part the kernels do not compute (then its own forward runs)."""
         built = self._entry(block)
-        if built is None or any(point.fns for point in built.inner):
+        if built is None or any(point.fns for point in built.inner + built.staged):
             return None
         return self.specs[block.layer]
 
@@ -263,7 +266,7 @@ class SpecTable:
         not compute, or a hook attached that may replace a state), 0 where nothing watches it, 1
         where hooks that observe watch its residual stream only, 2 where they watch inside too."""
         built = self._entry(block)
-        if built is None:
+        if built is None or any(point.fns for point in built.staged):
             return None
         level = 0
         for points, deep in ((built.residual, 1), (built.inner, 2)):
@@ -284,8 +287,9 @@ class SpecTable:
                 self.built[layer] = None
                 return None
             tensors = _tensors(parts)
-            self.specs[layer] = made[0]
-            built = self.built[layer] = _Built(block, member_edits(), parts, tensors, _addresses(tensors), made[1],
+            spec, inner, staged = made
+            self.specs[layer] = spec
+            built = self.built[layer] = _Built(block, member_edits(), parts, tensors, _addresses(tensors), inner, staged,
                                                _constants(parts))
         if torch.is_grad_enabled() and any(t.requires_grad for t in built.tensors):
             return None
@@ -307,23 +311,27 @@ class SpecTable:
 
 
 def _parts(block) -> list | None:
-    """What a block's spec is built from: its modules and tensors in a fixed order (None where a
-    part is not of a kind the kernels compute: a GeGLU, QK-norm, capped scores, a local block's
-    own rotary table, norms after the sublayers; such a block takes its parts' forwards)."""
+    """What a block's spec is built from: its modules and tensors in a fixed order: the eight
+    modules, the residual hook points, the four optional norms (QK-norm's, the post-norms'; None
+    where absent), then the tensors. None where a part is not of a kind the kernels compute
+    (capped scores: Gemma 2; such a block takes its parts' forwards)."""
     ln1, attn, ln2, mlp = (block.__dict__.get(name) for name in ("ln1", "attn", "ln2", "mlp"))
-    if type(attn) is not Attention or type(mlp) not in (SwiGLU, GeluMLP):
+    if type(attn) is not Attention or type(mlp) not in (SwiGLU, GeGLU, GeluMLP) or attn.softcap is not None:
         return None
-    if (attn.q_norm is not None or attn.softcap is not None or attn.local_rope
-            or block.__dict__.get("ln1_post") is not None or block.__dict__.get("ln2_post") is not None):
-        return None
-    up, down = (mlp.W_gate_up, mlp.W_down) if type(mlp) is SwiGLU else (mlp.W_fc, mlp.W_proj)
-    parts = [ln1, attn, ln2, mlp, attn.W_qkv, attn.W_O, up, down, *(getattr(block, name) for name in _RESIDUAL)]
+    up, down = (mlp.W_gate_up, mlp.W_down) if isinstance(mlp, SwiGLU) else (mlp.W_fc, mlp.W_proj)
+    extra = [attn.q_norm, attn.k_norm, block.__dict__.get("ln1_post"), block.__dict__.get("ln2_post")]
+    parts = [ln1, attn, ln2, mlp, attn.W_qkv, attn.W_O, up, down, *(getattr(block, name) for name in _RESIDUAL), *extra]
     for norm in (ln1, ln2):
         if type(norm) is LayerNorm:
             parts += [norm.weight, norm.bias]
         elif type(norm) is RMSNorm:
             parts += [norm.weight]
         else:
+            return None
+    for norm in extra:
+        if type(norm) is RMSNorm:
+            parts += [norm.weight]
+        elif norm is not None:
             return None
     for lin in (attn.W_qkv, attn.W_O, up, down):
         tensors = getattr(lin, "kernel_tensors", None)
@@ -335,9 +343,10 @@ def _parts(block) -> list | None:
 
 
 def _constants(parts: list) -> tuple:
-    """The plain numbers a spec copies: the norms' ε, the attention's scale and window."""
+    """The plain numbers a spec copies: the norms' ε, the attention's scale, window and table."""
     ln1, attn, ln2 = parts[0], parts[1], parts[2]
-    return ln1.eps, ln2.eps, attn.scale, attn.window, attn.layer
+    extra = tuple(None if norm is None else norm.eps for norm in parts[_EXTRA : _EXTRA + 4])
+    return ln1.eps, ln2.eps, attn.scale, attn.window, attn.layer, attn.local_rope, extra
 
 
 def _tensors(parts: list) -> list:
@@ -349,24 +358,38 @@ def _addresses(tensors: list) -> tuple:
 
 
 def _build(parts: list):
-    """(the spec, the block's inner hook points), or None where a tensor is not one the kernels read."""
+    """(the spec, the block's inner hook points, its staged ones), or None where a tensor is not one
+    the kernels read or the norms differ in ε (the spec holds one)."""
     ln1, attn, ln2, mlp, qkv, out, up, down = parts[:8]
-    if type(ln2) is not type(ln1) or ln1.eps != ln2.eps:
+    q_norm, k_norm, post1, post2 = parts[_EXTRA : _EXTRA + 4]
+    extra = [norm for norm in (q_norm, k_norm, post1, post2) if norm is not None]
+    if type(ln2) is not type(ln1) or any(norm.eps != ln1.eps for norm in (ln2, *extra)):
         return None
+    D, d = ln1.weight.shape[0], attn.d_head
     norms = [ln1.weight, getattr(ln1, "bias", None), ln2.weight, getattr(ln2, "bias", None)]
-    if not all(kernels.plain_vector(t, ln1.weight.shape[0]) for t in norms):
+    heads = [None if norm is None else norm.weight for norm in (q_norm, k_norm)]
+    posts = [None if norm is None else norm.weight for norm in (post1, post2)]
+    if (not all(kernels.plain_vector(t, D) for t in norms + posts) or not all(kernels.plain_vector(t, d) for t in heads)
+            or (heads[0] is None) != (heads[1] is None)):
         return None
     products = [lin.kernel_product() for lin in (qkv, out, up, down)]
     if any(p is None for p in products):
         return None
-    spec = kernels.BlockSpec(rms=int(type(ln1) is RMSNorm), swiglu=int(type(mlp) is SwiGLU), layer=attn.layer,
-                             window=attn.window or 0, eps=ln1.eps, scale=attn.scale)
+    mlp_kind = "geglu" if type(mlp) is GeGLU else "swiglu" if type(mlp) is SwiGLU else "gelu"
+    spec = kernels.BlockSpec(rms=int(type(ln1) is RMSNorm), mlp=kernels.MLP_KINDS[mlp_kind], layer=attn.layer,
+                             window=attn.window or 0, eps=ln1.eps, scale=attn.scale, local=int(attn.local_rope))
     spec.g1, spec.b1, spec.g2, spec.b2 = map(kernels.address, norms)
+    spec.gq, spec.gk, spec.p1, spec.p2 = map(kernels.address, heads + posts)
     spec.qkv, spec.out, spec.up, spec.down = products
     inner = (ln1.hook_normalized, ln2.hook_normalized, attn.hook_q, attn.hook_k, attn.hook_v,
              attn.hook_attn_scores, attn.hook_pattern, attn.hook_z, attn.hook_result, *_mlp_points(mlp))
-    return spec, inner
+    return spec, inner, tuple(norm.hook_normalized for norm in extra)
+
+
+_EXTRA = 8 + len(_RESIDUAL)  # where the optional norms stand in a block's parts
 
 
 def _mlp_points(mlp) -> tuple:
-    return (mlp.hook_pre, mlp.hook_pre_linear, mlp.hook_post) if type(mlp) is SwiGLU else (mlp.hook_pre, mlp.hook_post)
+    if isinstance(mlp, SwiGLU):  # (GeGLU too)
+        return mlp.hook_pre, mlp.hook_pre_linear, mlp.hook_post
+    return mlp.hook_pre, mlp.hook_post

@@ -300,10 +300,22 @@ class Product(ctypes.Structure):
 class BlockSpec(ctypes.Structure):
     """One block's parameters as layer.c reads them (the addresses of its tensors, not copies)."""
 
-    _fields_ = [("rms", ctypes.c_int64), ("swiglu", ctypes.c_int64), ("layer", ctypes.c_int64),
+    _fields_ = [("rms", ctypes.c_int64), ("mlp", ctypes.c_int64), ("layer", ctypes.c_int64),
                 ("window", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("g1", ctypes.c_void_p), ("b1", ctypes.c_void_p), ("g2", ctypes.c_void_p), ("b2", ctypes.c_void_p),
-                ("qkv", Product), ("out", Product), ("up", Product), ("down", Product)]
+                ("gq", ctypes.c_void_p), ("gk", ctypes.c_void_p), ("p1", ctypes.c_void_p), ("p2", ctypes.c_void_p),
+                ("local", ctypes.c_int64), ("qkv", Product), ("out", Product), ("up", Product), ("down", Product)]
+
+
+MLP_KINDS = {"gelu": 0, "swiglu": 1, "geglu": 2}  # BlockSpec.mlp (layer.c's MLP_GELU, MLP_SWIGLU, MLP_GEGLU)
+
+
+class Tables(ctypes.Structure):
+    """The rotary tables as layer.c reads them (addresses; None: no rotation): the global blocks',
+    and the local blocks' (the same where they rotate with the same base)."""
+
+    _fields_ = [("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("cos_local", ctypes.c_void_p),
+                ("sin_local", ctypes.c_void_p)]
 
 
 class Sizes(ctypes.Structure):
@@ -323,9 +335,9 @@ class BlockKernel:
         self._norm = _function(lib.hybridlm_norm, [p, i64, i64, i64, f32, p, p, p])
         self._swiglu = _function(lib.hybridlm_swiglu, [p, i64, p, i64, i64, i64, p])
         self._gelu = _function(lib.hybridlm_gelu, [p, i64, i64, p])
-        self._attention = _function(lib.hybridlm_attention_sublayer, [p, p, p, i64, p, p, p, p], ctypes.c_int)
+        self._attention = _function(lib.hybridlm_attention_sublayer, [p, p, p, i64, p, p, p], ctypes.c_int)
         self._mlp = _function(lib.hybridlm_mlp_sublayer, [p, p, p, i64, p], ctypes.c_int)
-        self._blocks = _function(lib.hybridlm_decode_blocks, [p, i64, p, p, i64, p, p, p, p, i64, p], ctypes.c_int)
+        self._blocks = _function(lib.hybridlm_decode_blocks, [p, i64, p, p, i64, p, p, p, i64, p], ctypes.c_int)
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
@@ -361,12 +373,13 @@ class BlockKernel:
         self._gelu(x.data_ptr(), x.numel() // n if n else 0, n, out.data_ptr())
         return out
 
-    def attention(self, spec, sizes: Sizes, h: torch.Tensor, rows: torch.Tensor, cos, sin) -> torch.Tensor:
-        """The attention sublayer of one block (`spec`) for the rows h [R, 1, D]: Attn(LN₁(h)) W_O + b_O."""
+    def attention(self, spec, sizes: Sizes, h: torch.Tensor, rows: torch.Tensor, tables: Tables) -> torch.Tensor:
+        """The attention sublayer of one block (`spec`) for the rows h [R, 1, D]: Attn(LN₁(h)) W_O + b_O
+        (normed where the block has a post-norm)."""
         h = h.contiguous()
         out = torch.empty_like(h)
         if self._attention(ctypes.addressof(spec), ctypes.addressof(sizes), h.data_ptr(), rows.shape[1],
-                           rows.data_ptr(), address(cos), address(sin), out.data_ptr()):
+                           rows.data_ptr(), ctypes.addressof(tables), out.data_ptr()):
             raise MemoryError("attention sublayer: no scratch memory")
         return out
 
@@ -378,7 +391,7 @@ class BlockKernel:
             raise MemoryError("MLP sublayer: no scratch memory")
         return out
 
-    def blocks(self, specs: int, count: int, sizes: Sizes, h: torch.Tensor, rows: torch.Tensor, cos, sin,
+    def blocks(self, specs: int, count: int, sizes: Sizes, h: torch.Tensor, rows: torch.Tensor, tables: Tables,
                taps: torch.Tensor | None = None, inner: bool = False, own: torch.Tensor | None = None) -> None:
         """`count` consecutive blocks (their specs from address `specs` on) for the rows h [R, 1, D],
         contiguous, advanced in place. taps (None: none) receive the states the blocks' hook points
@@ -386,7 +399,7 @@ class BlockKernel:
         stream's alone, or with `inner` every one. own ([count, 2, R, H_kv, d] or None): the rows are
         a fork's candidates of the one state in `rows`, and their new keys and values go there."""
         if self._blocks(specs, count, ctypes.addressof(sizes), h.data_ptr(), h.shape[0], rows.data_ptr(),
-                        address(cos), address(sin), address(taps), int(inner), address(own)):
+                        ctypes.addressof(tables), address(taps), int(inner), address(own)):
             raise MemoryError("decode blocks: no scratch memory")
 
 

@@ -5,6 +5,11 @@
  *
  *   h̃ = h + Attn_ℓ(LN_{ℓ,1}(h)) W_O + b_O,        h ← h̃ + MLP_ℓ(LN_{ℓ,2}(h̃))
  *
+ * with the parts Gemma 2/3 add: each sublayer's output normed before its residual sum (post-norms,
+ * RMSNorm with the gains p₁, p₂), each head's q and k RMS-normed before the rotation (QK-norm, over
+ * d_k with the gains g_q, g_k), and a local block's own rotary table. A head size d_k apart from
+ * D / H needs nothing: every width below is H·d_k or H_kv·d_k, never D.
+ *
  * through the products of affine.c (float32), int4.c (int4) or blockquant.c (GGUF's block grids),
  * the attention of attention.c, and the norms and activations below, which the staged path also
  * calls for a token step's rows:
@@ -14,6 +19,7 @@
  *   LayerNorm  μ = Σ_i h_i / D,  σ² = Σ_i (h_i − μ)² / D,  x̂ = (h − μ) · (1 / √(σ² + ε)),  x̂ ⊙ γ + β
  *   RMSNorm    x̂ = h · (1 / √(Σ_i h_i² / D + ε)),  x̂ ⊙ γ
  *   SwiGLU     silu(g) ⊙ u,  silu(g) = g / (1 + e^{−g})
+ *   GeGLU      GELU-tanh(g) ⊙ u
  *   GELU-tanh  ½ x (1 + tanh(√(2/π) (x + 0.044715 x³)))
  *
  * Each sum over a row runs in a fixed order (32 lanes, then the lanes in order), each element-wise
@@ -49,13 +55,24 @@ typedef struct {
 
 /* One block's parameters (hybridlm.lm.step.BlockSpec mirrors this layout). */
 typedef struct {
-    int64_t rms;    /* 1: RMSNorm (no β), 0: LayerNorm */
-    int64_t swiglu; /* 1: up = [W_gate; W_up], 2·d_mlp outputs; 0: GELU-tanh, up = W_fc */
+    int64_t rms; /* 1: RMSNorm (no β), 0: LayerNorm */
+    int64_t mlp; /* MLP_GELU: up = W_fc; MLP_SWIGLU, MLP_GEGLU: up = [W_gate; W_up], 2·d_mlp outputs */
     int64_t layer, window; /* which layer of the state; window 0: global attention */
     float eps, scale;
     const float *g1, *b1, *g2, *b2;
+    const float *gq, *gk; /* QK-norm's gains [d_k] (RMSNorm, ε as above), or NULL: none */
+    const float *p1, *p2; /* the post-norms' gains [D] (RMSNorm, ε as above), or NULL: none */
+    int64_t local;        /* 1: rotate with the local table */
     Product qkv, out, up, down;
 } Block;
+
+enum { MLP_GELU, MLP_SWIGLU, MLP_GEGLU };
+
+/* The rotary tables [T, d] (NULL: no rotation): the global blocks', and the local blocks' where
+ * they rotate with another base (else the same as the global ones). */
+typedef struct {
+    const float *cos, *sin, *cos_local, *sin_local;
+} Tables;
 
 /* The model's sizes shared by its blocks. */
 typedef struct {
@@ -191,7 +208,7 @@ static void tap_offsets(const Block *blk, const Sizes *z, int64_t R, const int64
     int64_t keys = 0;
     for (int64_t b = 0; b < R; ++b) keys += z->H * (rows[2 * R + b] + 1);
     const int64_t D = R * z->D, size[TAPS] = {D, D, R * (z->H + 2 * z->Hkv) * z->d, keys, keys, R * z->H * z->d, D, D,
-                                               D, R * (blk->swiglu ? 2 : 1) * z->d_mlp, R * z->d_mlp, D, D};
+                                               D, R * (blk->mlp != MLP_GELU ? 2 : 1) * z->d_mlp, R * z->d_mlp, D, D};
     off[0] = 0;
     for (int i = 0; i < TAPS; ++i) off[i + 1] = off[i] + size[i];
 }
@@ -200,7 +217,8 @@ static void tap_offsets(const Block *blk, const Sizes *z, int64_t R, const int64
  * or, where own is not NULL, R candidates continuing the one state of `rows` (a fork: each reads
  * that state's keys and values and its own new row, which goes to own [2, R, H_kv, d] instead). */
 static int attention(const Block *blk, const Sizes *z, const float *heads, int64_t R, const int64_t *rows,
-                     const float *cos, const float *sin, float *o, float *S, float *A, float *own) {
+                     const Tables *t, float *o, float *S, float *A, float *own) {
+    const float *cos = blk->local ? t->cos_local : t->cos, *sin = blk->local ? t->sin_local : t->sin;
     if (!own)
         return hybridlm_decode_attention_batch(heads, R, z->H, z->Hkv, z->d, rows, blk->layer, blk->window, cos, sin,
                                                blk->scale, o, S, A);
@@ -216,7 +234,7 @@ static int attention(const Block *blk, const Sizes *z, const float *heads, int64
  * rows to own (see attention). tap (NULL: none) is the block's taps, laid out by tap_offsets,
  * which receive x̂₁, the heads, S, A and z. */
 static int attention_sublayer(const Block *blk, const Sizes *z, const float *h, int64_t R, const int64_t *rows,
-                              const float *cos, const float *sin, float *out, float *tap, float *own) {
+                              const Tables *t, float *out, float *tap, float *own) {
     const int64_t width = (z->H + 2 * z->Hkv) * z->d;
     int64_t off[TAPS + 1];
     if (tap) tap_offsets(blk, z, R, rows, off);
@@ -225,11 +243,18 @@ static int attention_sublayer(const Block *blk, const Sizes *z, const float *h, 
     float *heads = r + R * z->D, *o = heads + R * width;
     norm_rows(h, R, z->D, blk->rms, blk->eps, blk->g1, blk->b1, r, tap ? tap + off[XHAT1] : NULL);
     int failed = product(&blk->qkv, r, R, heads);
+    if (!failed && blk->gq)
+        for (int64_t b = 0; b < R; ++b) {
+            float *q = heads + b * width, *k = q + z->H * z->d;
+            norm_rows(q, z->H, z->d, 1, blk->eps, blk->gq, NULL, q, NULL);
+            norm_rows(k, z->Hkv, z->d, 1, blk->eps, blk->gk, NULL, k, NULL);
+        }
     if (!failed && tap) memcpy(tap + off[HEADS], heads, sizeof(float) * (size_t)(R * width));
-    failed = failed || attention(blk, z, heads, R, rows, cos, sin, o, tap ? tap + off[SCORES] : NULL,
+    failed = failed || attention(blk, z, heads, R, rows, t, o, tap ? tap + off[SCORES] : NULL,
                                  tap ? tap + off[PATTERN] : NULL, own);
     if (!failed && tap) memcpy(tap + off[Z], o, sizeof(float) * (size_t)(R * z->H * z->d));
     failed = failed || product(&blk->out, o, R, out);
+    if (!failed && blk->p1) norm_rows(out, R, z->D, 1, blk->eps, blk->p1, NULL, out, NULL);
     free(r);
     return failed ? -1 : 0;
 }
@@ -238,15 +263,22 @@ static int attention_sublayer(const Block *blk, const Sizes *z, const float *h, 
  * pre-activation, the activation). */
 static int mlp_sublayer(const Block *blk, const Sizes *z, const float *h, int64_t R, float *out, float *tap,
                         const int64_t *off) {
-    const int64_t up = (blk->swiglu ? 2 : 1) * z->d_mlp;
+    const int64_t up = (blk->mlp != MLP_GELU ? 2 : 1) * z->d_mlp;
     float *r = malloc(sizeof(float) * (size_t)(R * (z->D + up + z->d_mlp)));
     if (!r) return -1;
     float *pre = r + R * z->D, *post = pre + R * up;
     norm_rows(h, R, z->D, blk->rms, blk->eps, blk->g2, blk->b2, r, tap ? tap + off[XHAT2] : NULL);
     int failed = product(&blk->up, r, R, pre);
     if (!failed) {
-        if (blk->swiglu)
+        if (blk->mlp == MLP_SWIGLU)
             hybridlm_swiglu(pre, up, pre + z->d_mlp, up, R, z->d_mlp, post);
+        else if (blk->mlp == MLP_GEGLU)
+            for (int64_t b = 0; b < R; ++b) { /* GELU-tanh(g), then ⊙ u: the staged path's two roundings */
+                float *y = post + b * z->d_mlp;
+                const float *u = pre + b * up + z->d_mlp;
+                hybridlm_gelu(pre + b * up, 1, z->d_mlp, y);
+                for (int64_t i = 0; i < z->d_mlp; ++i) y[i] = y[i] * u[i];
+            }
         else
             hybridlm_gelu(pre, R, z->d_mlp, post);
         if (tap) {
@@ -254,14 +286,15 @@ static int mlp_sublayer(const Block *blk, const Sizes *z, const float *h, int64_
             memcpy(tap + off[POST], post, sizeof(float) * (size_t)(R * z->d_mlp));
         }
         failed = product(&blk->down, post, R, out);
+        if (!failed && blk->p2) norm_rows(out, R, z->D, 1, blk->eps, blk->p2, NULL, out, NULL);
     }
     free(r);
     return failed ? -1 : 0;
 }
 
 int hybridlm_attention_sublayer(const Block *blk, const Sizes *z, const float *h, int64_t R, const int64_t *rows,
-                                const float *cos, const float *sin, float *out) {
-    return attention_sublayer(blk, z, h, R, rows, cos, sin, out, NULL, NULL);
+                                const Tables *t, float *out) {
+    return attention_sublayer(blk, z, h, R, rows, t, out, NULL, NULL);
 }
 
 int hybridlm_mlp_sublayer(const Block *blk, const Sizes *z, const float *h, int64_t R, float *out) {
@@ -276,7 +309,7 @@ int hybridlm_mlp_sublayer(const Block *blk, const Sizes *z, const float *h, int6
  * one state in `rows`, whose new rows go to own [L, 2, R, H_kv, d] (see attention). Returns 0, or
  * −1 without scratch memory (h is then partly advanced: the caller's step has failed). */
 int hybridlm_decode_blocks(const Block *blocks, int64_t L, const Sizes *z, float *h, int64_t R, const int64_t *rows,
-                           const float *cos, const float *sin, float *taps, int64_t inner, float *own) {
+                           const Tables *t, float *taps, int64_t inner, float *own) {
     const size_t bytes = sizeof(float) * (size_t)(R * z->D);
     float *a = malloc(bytes);
     if (!a) return -1;
@@ -287,7 +320,7 @@ int hybridlm_decode_blocks(const Block *blocks, int64_t L, const Sizes *z, float
         float *tap = taps, *deep = taps && inner ? taps : NULL;
         if (taps) taps += off[TAPS];
         if (tap) memcpy(tap + off[RESID_PRE], h, bytes);
-        failed = attention_sublayer(blocks + l, z, h, R, rows, cos, sin, a, deep,
+        failed = attention_sublayer(blocks + l, z, h, R, rows, t, a, deep,
                                     own ? own + l * 2 * R * z->Hkv * z->d : NULL);
         for (int64_t i = 0; !failed && i < R * z->D; ++i) h[i] = h[i] + a[i];
         if (tap && !failed) memcpy(tap + off[ATTN_OUT], a, bytes), memcpy(tap + off[RESID_MID], h, bytes);
