@@ -98,3 +98,58 @@ def test_a_rendered_call_parses_back(codec, calls):
     parsed, error = codec.parse(text, tools=[name for name, _ in calls])
     assert error is None, (text, error)
     assert parsed == [ToolCall(name, arguments) for name, arguments in calls]
+
+
+# ---------------------------------------------------------------------- Hermes, read leniently
+CALL = '{"name": "special_function", "arguments": {"arg1": 1}}'
+
+
+@pytest.mark.parametrize("text", [CALL, "\n" + CALL, f"```json\n{CALL}\n```", f"```\n{CALL}\n```"])
+def test_hermes_reads_a_call_written_without_its_tags(text):
+    # (llama.cpp's Hermes parser takes a bare object or a ```json block too)
+    codec = CODECS["hermes"]
+    assert codec.parse(text, tools=["special_function"]) == ([ONE], None)
+    assert codec.began(text) and not codec.is_open(text) and codec.free_text(text) == ""
+    assert codec.complete_calls(text) == [ONE]
+
+
+def test_a_bare_call_cut_off_is_open_and_held_back():
+    codec = CODECS["hermes"]
+    cut = CALL[:30]
+    assert codec.is_open(cut) and codec.complete_calls(cut) == [] and codec.without_open_call(cut) == ""
+    (partial,) = codec.scan(cut, final=False)
+    assert partial.name == "special_function" and not partial.complete
+    for start in ("{", '{"na', "```", "```json\n", ' { "'):  # a stream cannot show these yet
+        assert codec.opening_tail(start) == len(start), start
+    for text in ("{x} is a set", "```python\n", "The answer"):  # these are text
+        assert not codec.began(text) and codec.opening_tail(text) < len(text), text
+    assert CODECS["tagged_json"].parse(CALL)[0] == []  # the project's own format stays strict
+
+
+def _fed(tok, choice, text, *, parallel=False):
+    """The constraint of a Hermes turn after the tokenizer's own encoding of `text`, or None where the mask refuses
+    one of its tokens."""
+    from hybridlm.turns import tool_call_constraint
+
+    tools = [{"name": "special_function", "parameters": {"type": "object", "properties": {"arg1": {"type": "integer"}},
+                                                         "required": ["arg1"]}}]
+    c = tool_call_constraint(tok, tools, choice, codec=CODECS["hermes"], parallel=parallel)
+    for i in tok.encode(text):
+        allowed = c.mask()
+        if allowed is not None and not bool(allowed[i]):
+            return None
+        c.advance(i)
+    return c
+
+
+def test_a_hermes_turn_may_call_without_the_tags_in_auto_only(smollm2):
+    tok = smollm2.tokenizer
+    for text in (CALL, f"```json\n{CALL}\n```"):
+        c = _fed(tok, "auto", text)
+        assert c is not None and c.calls() == [ONE] and c.answer() == "", text
+        assert _fed(tok, "none", text) is None  # no call where none may be made, tagged or not
+    two = _fed(tok, "auto", CALL + "\n" + CALL, parallel=True)
+    assert two is not None and two.calls() == [ONE, ONE]
+    for text in ("The answer is 42.", "```python\nprint(1)\n```"):  # free text stays free
+        c = _fed(tok, "auto", text)
+        assert c is not None and c.calls() == [] and c.answer() == text
