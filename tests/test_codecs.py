@@ -153,3 +153,17 @@ def test_a_hermes_turn_may_call_without_the_tags_in_auto_only(smollm2):
     for text in ("The answer is 42.", "```python\nprint(1)\n```"):  # free text stays free
         c = _fed(tok, "auto", text)
         assert c is not None and c.calls() == [] and c.answer() == text
+
+
+def test_the_models_list_says_each_models_call_format():
+    from click.testing import CliRunner
+
+    from hybridlm.cli import cli
+
+    r = CliRunner().invoke(cli, ["models", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = {row["name"]: row for row in json.loads(r.output)}
+    assert rows["smollm2-135m"]["tool_format"] == "tagged_json (default)"  # its template takes no tools
+    for name, expected in (("qwen2.5-coder-0.5b", "hermes"), ("gemma-3-270m", "tagged_json (default)")):
+        if rows[name]["available"] and rows[name]["grid"] is not None:
+            assert rows[name]["tool_format"] == expected
