@@ -3,11 +3,12 @@ tool-call strings of its tests/test-chat.cpp parse to the names, arguments and i
 every codec's rendering of a call parses back (a property)."""
 
 import json
+import re
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
-from hybridlm.turns.codecs import CODECS, Hermes, Llama3JSON, Mistral, TaggedJSON, ToolCall, detect
+from hybridlm.turns.codecs import CODECS, Hermes, Llama3JSON, Mistral, Pythonic, TaggedJSON, ToolCall, detect
 
 ONE = ToolCall("special_function", {"arg1": 1})
 TWO = ToolCall("special_function_with_opt", {"arg1": 1, "arg2": 2})
@@ -167,3 +168,76 @@ def test_the_models_list_says_each_models_call_format():
     for name, expected in (("qwen2.5-coder-0.5b", "hermes"), ("gemma-3-270m", "tagged_json (default)")):
         if rows[name]["available"] and rows[name]["grid"] is not None:
             assert rows[name]["tool_format"] == expected
+
+
+# ---------------------------------------------------------------------- pythonic
+LFM2 = Pythonic("<|tool_call_start|>", "<|tool_call_end|>")
+
+
+@pytest.mark.parametrize("text, name, arguments", [
+    ('<|tool_call_start|>[special_function(arg1=1)]<|tool_call_end|>', "special_function", {"arg1": 1}),
+    ('<|tool_call_start|>[get_time(city="XYZCITY")]<|tool_call_end|>', "get_time", {"city": "XYZCITY"}),
+    ('<|tool_call_start|>[toggle(enabled=True)]<|tool_call_end|>', "toggle", {"enabled": True}),
+    ('<|tool_call_start|>[set_nullable(value=None)]<|tool_call_end|>', "set_nullable", {"value": None}),
+    ('<|tool_call_start|>[set_config(config={"enabled": True, "count": 3})]<|tool_call_end|>', "set_config",
+     {"config": {"enabled": True, "count": 3}}),
+    ('<|tool_call_start|>[set_config(config={"enabled": true, "note": null})]<|tool_call_end|>', "set_config",
+     {"config": {"enabled": True, "note": None}}),
+    ('<|tool_call_start|>[Calendar.create_event(title="demo", participants=["Alice", "Bob"], '
+     'metadata={"priority": "high", "reminder": true})]<|tool_call_end|>', "Calendar.create_event",
+     {"title": "demo", "participants": ["Alice", "Bob"], "metadata": {"priority": "high", "reminder": True}}),
+])
+def test_llama_cpp_pythonic_strings_parse(test_chat, text, name, arguments):
+    assert text in re.sub(r'"\s+"', "", test_chat)  # (llama.cpp's test writes the long one as two C strings)
+    assert LFM2.parse(text) == ([ToolCall(name, arguments)], None)
+    bare = Pythonic()
+    assert bare.parse(text.removeprefix(LFM2.start).removesuffix(LFM2.end)) == ([ToolCall(name, arguments)], None)
+
+
+def test_pythonic_text_stays_text_and_nothing_is_evaluated():
+    link = "Use this format: [link text](url). Example: [Wikipedia](https://www.wikipedia.org)."
+    for codec in (LFM2, Pythonic()):
+        assert not codec.began(link) and codec.free_text(link) == link and codec.parse(link)[0] == []
+    for hostile in ("[f(a=__import__('os').system('true'))]", "[f(a=open('x'))]", "[f(*x)]", "[f(1)]", "[f(a=1+1)]"):
+        calls, error = Pythonic().parse(hostile)
+        assert calls == [] and error is not None, hostile
+    cut = "[get_time(city="
+    assert Pythonic().is_open(cut) and Pythonic().complete_calls(cut) == []
+    assert [c.name for c in Pythonic().scan(cut, final=False)] == ["get_time"]
+    assert Pythonic().parse('[a(x=1), b.c(y=[1, "]"])]') == ([ToolCall("a", {"x": 1}), ToolCall("b.c", {"y": [1, "]"]})],
+                                                          None)
+
+
+def test_pythonic_templates_are_detected(llama_cpp_source):
+    folder = llama_cpp_source / "models" / "templates"
+    for name in ("LFM2-8B-A1B", "LFM2.5-8B-A1B", "LFM2.5-Instruct"):
+        codec = detect((folder / f"{name}.jinja").read_text(encoding="utf-8"))
+        assert isinstance(codec, Pythonic) and codec.start == LFM2.start, name
+    assert isinstance(detect("... [func_name1(params_name1=params_value1, params_name2=params_value2...)] ..."), Pythonic)
+
+
+@settings(max_examples=40, deadline=None)
+@given(codec=st.sampled_from([Pythonic(), LFM2]), calls=st.lists(st.tuples(NAMES, ARGUMENTS), min_size=1, max_size=3))
+def test_a_rendered_pythonic_call_parses_back(codec, calls):
+    import keyword
+
+    assume(not any(keyword.iskeyword(n) or any(keyword.iskeyword(a) for a in args) for n, args in calls))  # (not Python names)
+    text = codec.render_calls("", [(name, json.dumps(arguments, ensure_ascii=False)) for name, arguments in calls])
+    parsed, error = codec.parse(text, tools=[name for name, _ in calls])
+    assert error is None, (text, error)
+    assert parsed == [ToolCall(name, arguments) for name, arguments in calls]
+
+
+def test_a_pythonic_turn_follows_its_grammar(smollm2):
+    from hybridlm.turns import tool_call_constraint
+
+    tok = smollm2.tokenizer
+    tools = [{"name": "get_time", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    for codec, choice, text in ((Pythonic(), "auto", '[get_time(city="Paris")]'), (Pythonic(), "auto", "It is noon."),
+                                (LFM2, "required", '<|tool_call_start|>[get_time(city="Paris")]<|tool_call_end|>')):
+        c = tool_call_constraint(tok, tools, choice, codec=codec)
+        for i in tok.encode(text):
+            allowed = c.mask()
+            assert allowed is None or bool(allowed[i]), (text, c.text)
+            c.advance(i)
+        assert c.calls() == ([ToolCall("get_time", {"city": "Paris"})] if "get_time" in text else [])
