@@ -1,5 +1,7 @@
 """BFCL's own checker and data, loaded without its SDKs (skipped without bfcl-eval)."""
 
+import json
+
 import jsonschema
 import pytest
 
@@ -77,3 +79,17 @@ def test_every_kth_task_spreads_the_sample(tmp_path):
     runner = type("R", (), {"name": "fake", "__call__": lambda self, t: first_answer(t)})()
     rows = bfcl.evaluate(runner, ["live_simple"], every=50, out=tmp_path / "r.jsonl")
     assert [r["id"] for r in rows] == whole[::50]
+
+
+def test_the_lenient_reference_reads_a_json_block_or_bare_json():
+    from hybridlm.agent.bfcl import LlamaCppRunner, bare_calls
+
+    call = {"name": "f", "arguments": {"x": 1}}
+    text = f"Sure:\n```json\n{json.dumps(call)}\n```\nand [{json.dumps(call)}, {json.dumps({'name': 'g', 'parameters': {}})}]"
+    assert [(c.name, c.arguments) for c in bare_calls(text)] == [("f", {"x": 1}), ("f", {"x": 1}), ("g", {})]
+    assert bare_calls('{"name": 3} {"a": {"name": "h", "arguments": "not json"}}') == []
+    strict, lenient = (LlamaCppRunner.__new__(LlamaCppRunner) for _ in range(2))
+    strict.parsing, lenient.parsing = "hermes", "lenient"
+    tagged = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+    assert strict.parsed(tagged, ["f"]) == lenient.parsed(tagged, ["f"]) == [{"f": {"x": 1}}]
+    assert strict.parsed(text, ["f", "g"]) == [] and len(lenient.parsed(text, ["f", "g"])) == 3

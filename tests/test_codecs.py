@@ -3,11 +3,12 @@ tool-call strings of its tests/test-chat.cpp parse to the names, arguments and i
 every codec's rendering of a call parses back (a property)."""
 
 import json
+import re
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
-from hybridlm.turns.codecs import CODECS, Hermes, Llama3JSON, Mistral, TaggedJSON, ToolCall, detect
+from hybridlm.turns.codecs import CODECS, Hermes, Llama3JSON, Mistral, Pythonic, TaggedJSON, ToolCall, detect
 
 ONE = ToolCall("special_function", {"arg1": 1})
 TWO = ToolCall("special_function_with_opt", {"arg1": 1, "arg2": 2})
@@ -98,3 +99,145 @@ def test_a_rendered_call_parses_back(codec, calls):
     parsed, error = codec.parse(text, tools=[name for name, _ in calls])
     assert error is None, (text, error)
     assert parsed == [ToolCall(name, arguments) for name, arguments in calls]
+
+
+# ---------------------------------------------------------------------- Hermes, read leniently
+CALL = '{"name": "special_function", "arguments": {"arg1": 1}}'
+
+
+@pytest.mark.parametrize("text", [CALL, "\n" + CALL, f"```json\n{CALL}\n```", f"```\n{CALL}\n```"])
+def test_hermes_reads_a_call_written_without_its_tags(text):
+    # (llama.cpp's Hermes parser takes a bare object or a ```json block too)
+    codec = CODECS["hermes"]
+    assert codec.parse(text, tools=["special_function"]) == ([ONE], None)
+    assert codec.began(text) and not codec.is_open(text) and codec.free_text(text) == ""
+    assert codec.complete_calls(text) == [ONE]
+
+
+def test_a_bare_call_cut_off_is_open_and_held_back():
+    codec = CODECS["hermes"]
+    cut = CALL[:30]
+    assert codec.is_open(cut) and codec.complete_calls(cut) == [] and codec.without_open_call(cut) == ""
+    (partial,) = codec.scan(cut, final=False)
+    assert partial.name == "special_function" and not partial.complete
+    for start in ("{", '{"na', "```", "```json\n", ' { "'):  # a stream cannot show these yet
+        assert codec.opening_tail(start) == len(start), start
+    for text in ("{x} is a set", "```python\n", "The answer"):  # these are text
+        assert not codec.began(text) and codec.opening_tail(text) < len(text), text
+    assert CODECS["tagged_json"].parse(CALL)[0] == []  # the project's own format stays strict
+
+
+def _fed(tok, choice, text, *, parallel=False):
+    """The constraint of a Hermes turn after the tokenizer's own encoding of `text`, or None where the mask refuses
+    one of its tokens."""
+    from hybridlm.turns import tool_call_constraint
+
+    tools = [{"name": "special_function", "parameters": {"type": "object", "properties": {"arg1": {"type": "integer"}},
+                                                         "required": ["arg1"]}}]
+    c = tool_call_constraint(tok, tools, choice, codec=CODECS["hermes"], parallel=parallel)
+    for i in tok.encode(text):
+        allowed = c.mask()
+        if allowed is not None and not bool(allowed[i]):
+            return None
+        c.advance(i)
+    return c
+
+
+def test_a_hermes_turn_may_call_without_the_tags_in_auto_only(smollm2):
+    tok = smollm2.tokenizer
+    for text in (CALL, f"```json\n{CALL}\n```"):
+        c = _fed(tok, "auto", text)
+        assert c is not None and c.calls() == [ONE] and c.answer() == "", text
+        assert _fed(tok, "none", text) is None  # no call where none may be made, tagged or not
+    two = _fed(tok, "auto", CALL + "\n" + CALL, parallel=True)
+    assert two is not None and two.calls() == [ONE, ONE]
+    for text in ("The answer is 42.", "```python\nprint(1)\n```"):  # free text stays free
+        c = _fed(tok, "auto", text)
+        assert c is not None and c.calls() == [] and c.answer() == text
+
+
+def test_the_models_list_says_each_models_call_format():
+    from click.testing import CliRunner
+
+    from hybridlm.cli import cli
+
+    r = CliRunner().invoke(cli, ["models", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = {row["name"]: row for row in json.loads(r.output)}
+    assert rows["smollm2-135m"]["tool_format"] == "tagged_json (default)"  # its template takes no tools
+    for name, expected in (("qwen2.5-coder-0.5b", "hermes"), ("gemma-3-270m", "tagged_json (default)")):
+        if rows[name]["available"] and rows[name]["grid"] is not None:
+            assert rows[name]["tool_format"] == expected
+
+
+# ---------------------------------------------------------------------- pythonic
+LFM2 = Pythonic("<|tool_call_start|>", "<|tool_call_end|>")
+
+
+@pytest.mark.parametrize("text, name, arguments", [
+    ('<|tool_call_start|>[special_function(arg1=1)]<|tool_call_end|>', "special_function", {"arg1": 1}),
+    ('<|tool_call_start|>[get_time(city="XYZCITY")]<|tool_call_end|>', "get_time", {"city": "XYZCITY"}),
+    ('<|tool_call_start|>[toggle(enabled=True)]<|tool_call_end|>', "toggle", {"enabled": True}),
+    ('<|tool_call_start|>[set_nullable(value=None)]<|tool_call_end|>', "set_nullable", {"value": None}),
+    ('<|tool_call_start|>[set_config(config={"enabled": True, "count": 3})]<|tool_call_end|>', "set_config",
+     {"config": {"enabled": True, "count": 3}}),
+    ('<|tool_call_start|>[set_config(config={"enabled": true, "note": null})]<|tool_call_end|>', "set_config",
+     {"config": {"enabled": True, "note": None}}),
+    ('<|tool_call_start|>[Calendar.create_event(title="demo", participants=["Alice", "Bob"], '
+     'metadata={"priority": "high", "reminder": true})]<|tool_call_end|>', "Calendar.create_event",
+     {"title": "demo", "participants": ["Alice", "Bob"], "metadata": {"priority": "high", "reminder": True}}),
+])
+def test_llama_cpp_pythonic_strings_parse(test_chat, text, name, arguments):
+    assert text in re.sub(r'"\s+"', "", test_chat)  # (llama.cpp's test writes the long one as two C strings)
+    assert LFM2.parse(text) == ([ToolCall(name, arguments)], None)
+    bare = Pythonic()
+    assert bare.parse(text.removeprefix(LFM2.start).removesuffix(LFM2.end)) == ([ToolCall(name, arguments)], None)
+
+
+def test_pythonic_text_stays_text_and_nothing_is_evaluated():
+    link = "Use this format: [link text](url). Example: [Wikipedia](https://www.wikipedia.org)."
+    for codec in (LFM2, Pythonic()):
+        assert not codec.began(link) and codec.free_text(link) == link and codec.parse(link)[0] == []
+    for hostile in ("[f(a=__import__('os').system('true'))]", "[f(a=open('x'))]", "[f(*x)]", "[f(1)]", "[f(a=1+1)]"):
+        calls, error = Pythonic().parse(hostile)
+        assert calls == [] and error is not None, hostile
+    cut = "[get_time(city="
+    assert Pythonic().is_open(cut) and Pythonic().complete_calls(cut) == []
+    assert [c.name for c in Pythonic().scan(cut, final=False)] == ["get_time"]
+    assert Pythonic().parse('[a(x=1), b.c(y=[1, "]"])]') == ([ToolCall("a", {"x": 1}), ToolCall("b.c", {"y": [1, "]"]})],
+                                                          None)
+
+
+def test_pythonic_templates_are_detected(llama_cpp_source):
+    folder = llama_cpp_source / "models" / "templates"
+    for name in ("LFM2-8B-A1B", "LFM2.5-8B-A1B", "LFM2.5-Instruct"):
+        codec = detect((folder / f"{name}.jinja").read_text(encoding="utf-8"))
+        assert isinstance(codec, Pythonic) and codec.start == LFM2.start, name
+    assert isinstance(detect("... [func_name1(params_name1=params_value1, params_name2=params_value2...)] ..."), Pythonic)
+
+
+@settings(max_examples=40, deadline=None)
+@given(codec=st.sampled_from([Pythonic(), LFM2]), calls=st.lists(st.tuples(NAMES, ARGUMENTS), min_size=1, max_size=3))
+def test_a_rendered_pythonic_call_parses_back(codec, calls):
+    import keyword
+
+    assume(not any(keyword.iskeyword(n) or any(keyword.iskeyword(a) for a in args) for n, args in calls))  # (not Python names)
+    text = codec.render_calls("", [(name, json.dumps(arguments, ensure_ascii=False)) for name, arguments in calls])
+    parsed, error = codec.parse(text, tools=[name for name, _ in calls])
+    assert error is None, (text, error)
+    assert parsed == [ToolCall(name, arguments) for name, arguments in calls]
+
+
+def test_a_pythonic_turn_follows_its_grammar(smollm2):
+    from hybridlm.turns import tool_call_constraint
+
+    tok = smollm2.tokenizer
+    tools = [{"name": "get_time", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    for codec, choice, text in ((Pythonic(), "auto", '[get_time(city="Paris")]'), (Pythonic(), "auto", "It is noon."),
+                                (LFM2, "required", '<|tool_call_start|>[get_time(city="Paris")]<|tool_call_end|>')):
+        c = tool_call_constraint(tok, tools, choice, codec=codec)
+        for i in tok.encode(text):
+            allowed = c.mask()
+            assert allowed is None or bool(allowed[i]), (text, c.text)
+            c.advance(i)
+        assert c.calls() == ([ToolCall("get_time", {"city": "Paris"})] if "get_time" in text else [])

@@ -14,8 +14,9 @@ dialect's type names).
 
 Runners answer a task with a list of calls `[{name: arguments}]`:
 `HybridRunner` (the agent, constrained or free, one forced call per task) and
-`LlamaCppRunner` (llama.cpp's OpenAI-style function calling on the same GGUF file, the
-reference). `evaluate` writes one JSON line per task as it goes, so a killed run resumes.
+`LlamaCppRunner` (llama.cpp on the same GGUF file, the reference: its OpenAI-style function
+calling, or the model's own template with Hermes parsing, strict or lenient). `evaluate`
+writes one JSON line per task as it goes, so a killed run resumes.
 """
 
 from __future__ import annotations
@@ -196,30 +197,57 @@ def _answered(**_) -> str:
     return "done"
 
 
-class LlamaCppRunner:
-    """llama.cpp's OpenAI-style function calling (`chatml-function-calling`) on the GGUF file.
+REFERENCE_SYSTEM = "You are a helpful assistant with access to functions. Use them when they help answer the user."
+PARSINGS = ("hermes", "lenient")
 
-    One offered function: tool choice names it (a JSON-schema grammar for its arguments);
-    several: tool choice "auto" (the handler's grammar picks a function or a message).
+
+class LlamaCppRunner:
+    """llama.cpp on the same GGUF file, the reference, greedy, with the tools visible to the model.
+
+    `parsing` None: llama-cpp-python's OpenAI-style function calling (`chatml-function-calling`),
+    whose template lists the tools only inside a system message, so one is given when the task has
+    none (`REFERENCE_SYSTEM`). One offered function: tool choice names it (a JSON-schema grammar
+    for its arguments); several: "auto" (the handler's grammar picks a function or a message).
+
+    `parsing` "hermes" or "lenient": the model's own chat template (rendered as `transformers`
+    renders it, the tools in its `tools` variable), free generation as llama.cpp's server runs
+    it, the calls read from the text as vLLM's `hermes` parser and llama.cpp's server read them
+    (`<tool_call>` tags only), or leniently (also a ```json block or bare JSON objects).
+    Both parsings read the same generations (shared per file and task).
     """
 
-    name = "llama.cpp"
+    _generations: dict[tuple[str, str], str] = {}
 
-    def __init__(self, path: str | Path | None = None, *, max_tokens: int = 256, n_threads: int | None = None) -> None:
+    def __init__(self, path: str | Path | None = None, *, parsing: str | None = None, max_tokens: int = 256,
+                 n_threads: int | None = None, llm=None) -> None:
+        if parsing is not None and parsing not in PARSINGS:
+            raise InputError(f"llama.cpp parsing {parsing!r}: expected one of {', '.join(PARSINGS)}")
+        if path is None:
+            from hybridlm.weights.registry import smollm2_path
+
+            path = smollm2_path()
+        self.path, self.parsing, self.max_tokens = Path(path), parsing, max_tokens
+        self.name = "llama.cpp" if parsing is None else f"llama.cpp-{parsing}"
+        self.llm = llm if llm is not None else self.open(self.path, parsing, max_tokens, n_threads)
+        self.template = None
+        if parsing is not None:
+            from hybridlm.weights.gguf import read_gguf
+
+            self.template = read_gguf(self.path)[2]
+            if self.template is None or not self.template.chat_template:
+                raise InputError(f"{self.path.name}: no chat template for the llama.cpp reference's {parsing} parsing")
+
+    @staticmethod
+    def open(path: Path, parsing: str | None, max_tokens: int, n_threads: int | None):
         try:
             from llama_cpp import Llama
         except ImportError:
             raise InputError("the llama.cpp reference needs llama-cpp-python: pip install 'hybridlm[references]'") \
                 from None
-        if path is None:
-            from hybridlm.weights.gguf import smollm2_path
-
-            path = smollm2_path()
-        self.max_tokens = max_tokens
-        self.llm = llm = cast(Any, Llama(model_path=str(path), chat_format="chatml-function-calling", n_ctx=4096,
-                                         seed=0, n_threads=n_threads, verbose=False))
+        llm = cast(Any, Llama(model_path=str(path), n_ctx=4096, seed=0, n_threads=n_threads, verbose=False,
+                              chat_format="chatml-function-calling" if parsing is None else None))
         # The handler's message branch asks for no token bound (max_tokens=None): give it ours.
-        complete = self.llm.create_completion
+        complete = llm.create_completion
 
         def bounded(*args, **kwargs):
             if kwargs.get("max_tokens") is None:
@@ -227,15 +255,21 @@ class LlamaCppRunner:
             return complete(*args, **kwargs)
 
         llm.create_completion = bounded
+        return llm
 
     def __call__(self, task: Task) -> list[dict]:
         tools: list[dict[str, Any]] = [
             {"type": "function", "function": {"name": f["name"], "description": f.get("description", ""),
                                               "parameters": json_schema(f["parameters"])}}
             for f in task.functions]
+        if self.parsing is not None:
+            return self.parsed(self.generation(task, tools), [t["function"]["name"] for t in tools])
+        messages = task.messages
+        if not any(m.get("role") == "system" for m in messages):
+            messages = [{"role": "system", "content": REFERENCE_SYSTEM}, *messages]
         choice = ({"type": "function", "function": {"name": tools[0]["function"]["name"]}} if len(tools) == 1
                   and task.category != "parallel" else "auto")
-        reply = self.llm.create_chat_completion(messages=task.messages, tools=tools, tool_choice=choice,
+        reply = self.llm.create_chat_completion(messages=messages, tools=tools, tool_choice=choice,
                                                 temperature=0.0, max_tokens=self.max_tokens)
         calls = []
         for call in reply["choices"][0]["message"].get("tool_calls") or []:
@@ -246,6 +280,74 @@ class LlamaCppRunner:
                 continue
             calls.append({fn["name"]: arguments})
         return calls
+
+    def generation(self, task: Task, tools: list[dict]) -> str:
+        """The model's free answer to the task, its own template given the tools (once per file and task)."""
+        key = (str(self.path), task.id)
+        if key not in self._generations:
+            assert self.template is not None
+            prompt = self.template.render_chat(task.messages, tools=tools, add_generation_prompt=True)
+            ids = self.llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
+            reply = self.llm.create_completion(ids, temperature=0.0, max_tokens=self.max_tokens)
+            self._generations[key] = reply["choices"][0]["text"]
+        return self._generations[key]
+
+    def parsed(self, text: str, names: list[str]) -> list[dict]:
+        from hybridlm.turns.codecs.tagged_json import parse_calls
+
+        calls, _ = parse_calls(text, names)  # the <tool_call> tags (the good calls before a bad one kept)
+        if not calls and self.parsing == "lenient":
+            calls = bare_calls(text)
+        return [{c.name: c.arguments} for c in calls]
+
+
+def llama_cpp_runners(spec=None) -> list[LlamaCppRunner]:
+    """The llama.cpp reference of a model (a name or a .gguf path; None: the embedded one): on its own
+    template with Hermes parsing, strict and lenient, where the template takes tools in the Hermes
+    format; else llama-cpp-python's function calling with the tools in a system message."""
+    from hybridlm.turns.codecs import Hermes, detect
+    from hybridlm.turns.protocol import takes_tools
+    from hybridlm.weights.gguf import read_gguf
+    from hybridlm.weights.loading import _gguf_file
+
+    path = _gguf_file(spec if spec is not None else "smollm2-135m")
+    if path is None:
+        raise InputError(f"model {spec!r}: the llama.cpp reference needs a GGUF file (a model name or a .gguf path)")
+    tok = read_gguf(path)[2]
+    template = getattr(tok, "chat_template", None) or ""
+    if not (isinstance(detect(template), Hermes) and takes_tools(tok)):
+        return [LlamaCppRunner(path)]
+    strict = LlamaCppRunner(path, parsing="hermes")
+    return [strict, LlamaCppRunner(path, parsing="lenient", llm=strict.llm)]
+
+
+def bare_calls(text: str) -> list:
+    """Every JSON object (or list of them) in the text that reads as a call {"name", "arguments" or
+    "parameters"}: what a lenient parser takes from a ```json block or bare JSON."""
+    from hybridlm.turns.codecs import ToolCall
+
+    decoder, out, i = json.JSONDecoder(), [], 0
+    while True:
+        starts = [j for j in (text.find("{", i), text.find("[", i)) if j >= 0]
+        if not starts:
+            return out
+        i = min(starts)
+        try:
+            value, end = decoder.raw_decode(text, i)
+        except (ValueError, RecursionError):
+            i += 1
+            continue
+        for obj in value if isinstance(value, list) else [value]:
+            if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+                arguments = obj.get("arguments", obj.get("parameters"))
+                if isinstance(arguments, str):
+                    try:
+                        arguments = json.loads(arguments)
+                    except ValueError:
+                        continue
+                if isinstance(arguments, dict):
+                    out.append(ToolCall(obj["name"], arguments))
+        i = end
 
 
 # ---------------------------------------------------------------------- the evaluation

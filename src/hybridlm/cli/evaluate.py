@@ -73,7 +73,9 @@ def eval_agent(model_spec, n, modes, out, shard_size, precision, chat_template, 
 @click.option("--categories", default="simple_python,live_simple,multiple,parallel", show_default=True,
               help="BFCL categories, comma-separated.")
 @click.option("--systems", default="constrained,free,llama.cpp", show_default=True,
-              help="constrained (hybridlm), free (hybridlm, no mask in the call), llama.cpp (the reference).")
+              help="constrained (hybridlm), free (hybridlm, no mask in the call), llama.cpp (the reference on the "
+                   "same GGUF file: a model whose template takes tools is run on it and parsed as Hermes, strictly "
+                   "and leniently; else llama-cpp-python's function calling).")
 @click.option("--limit", default=None, type=click.IntRange(min=1), help="The first N tasks of each category.")
 @click.option("--every", default=1, show_default=True, type=click.IntRange(min=1),
               help="Every K-th task of each category (a sample spread over the whole list); --limit counts these.")
@@ -106,14 +108,15 @@ def eval_bfcl(model_spec, categories, systems, limit, every, out, resume, precis
     model = None
     for kind in kinds:
         if kind == "llama.cpp":
-            runner = bfcl.LlamaCppRunner()
+            runners = bfcl.llama_cpp_runners(model_spec)
         else:
             if model is None:
                 from hybridlm.weights.loading import load_model
 
                 model = with_chat_template(load_model(model_spec, precision=precision), chat_template)
                 use_tool_call_parser(model, tool_call_parser)
-            runner = bfcl.HybridRunner(model, constrained=kind == "constrained")
-        bfcl.evaluate(runner, chosen, limit=limit, every=every, out=out, resume=True,
-                      progress=lambda n, name=runner.name: tqdm(total=n, desc=name, unit="task", file=sys.stderr))
+            runners = [bfcl.HybridRunner(model, constrained=kind == "constrained")]
+        for runner in runners:
+            bfcl.evaluate(runner, chosen, limit=limit, every=every, out=out, resume=True,
+                          progress=lambda n, name=runner.name: tqdm(total=n, desc=name, unit="task", file=sys.stderr))
     click.echo(bfcl.format_summary(bfcl.summary(out)))

@@ -122,12 +122,17 @@ class Conversation(HybridSystem):
         """The free baseline, when no jump is allowed: remove the tokens that would complete a call's opening."""
         if not isinstance(s.constraint, FreeTurn) or s.constraint.in_call or self._may_jump(s):
             return None
-        table, opening = self.tokenizer.table, self.codec.opening
-        turn_text = self.tokenizer.decode(s.turn)
+        tok, opening = self.tokenizer, self.codec.opening
+        table, turn_text = tok.table, tok.decode(s.turn)
         banned = table.containing(opening)
         for n in range(1, len(opening)):
             if turn_text.endswith(opening[:n]):
                 banned = banned + table.starting_with(opening[n:])
+        whole = tok.encode_markup(opening)  # the opening as one added token (its text may read "" in the table)
+        if len(whole) == 1:
+            banned = banned + whole
+        if not turn_text.strip():  # nor a call without the tags, where the format reads one (hybridlm.turns.codecs)
+            banned = banned + [i for start in self.codec.bare_openings for i in table.starting_with(start)]
         if not banned:
             return None
         allowed = torch.ones(table.size, dtype=torch.bool)

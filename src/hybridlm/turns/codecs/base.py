@@ -50,6 +50,9 @@ class CallCodec(ABC):
     #: the model's chat template renders this format (tools, calls, results); False for the
     #: project's default format, taught by a system prompt of its own
     templated: bool = True
+    #: how a turn may begin a call written without the format's opening (the texts a free turn that may
+    #: make no call must not begin with); none unless the codec reads such calls
+    bare_openings: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ the prompt
     @abstractmethod

@@ -5,7 +5,10 @@
   wrapped in `<tool_response>` tags by the codec.
 - `hermes`, the format of the models trained on it (Qwen2.5, Qwen3, Hermes 2/3, SmolLM3): their
   template lists the tools, writes each call on lines of its own between the tags and wraps the
-  results; the grammar writes calls as the template does.
+  results; the grammar writes calls as the template does. A small model of the family often opens
+  its turn with the call's object and no tags, bare or in a ```json block (Qwen2.5-Coder-0.5B does):
+  read leniently, as llama.cpp's Hermes parser reads it, that turn is the same calls (`tagged`), and
+  the "auto" grammar lets a turn be such calls, so free text there may not begin with `{` or ```json.
 
 A call is a JSON object with the tool's name and its arguments between the tags; several
 calls in one turn follow each other (a newline between them allowed) and end the turn. A
@@ -22,6 +25,7 @@ lazy (free text until the model writes `<tool_call>`, constrained from there).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator, Sequence
 
 from hybridlm.constraints import library
@@ -29,9 +33,16 @@ from hybridlm.constraints.calls import argument_schemas
 from hybridlm.turns.codecs.base import CallCodec, PartialCall, ToolCall, token_literal
 from hybridlm.turns.codecs.json_text import as_json, closing_tag, scan_object
 
+_decoder = json.JSONDecoder()
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 MAX_CALL_CHARS = 1_000_000  # a call longer than this is not parsed (bounds the parser's time)
+# A turn that opens with a call's object without the tags, bare or in a ```json block (what lenient
+# parsers such as llama.cpp's Hermes parser also accept): the Hermes codec reads it as calls.
+FENCE = "```json"
+BARE = re.compile(r'[ \t\r\n]*(?:```(?:json)?[ \t]*\r?\n[ \t\r\n]*)?(?=\{[ \t\r\n]*"name")')
+NOT_BARE = r"~/[ \t\r\n]*(```json[ \t\r\n]*)?\{(?s:.*)/"  # (Lark: text that does not open so)
 
 INSTRUCTIONS = (
     "You are a helpful assistant that can call tools. To call a tool, reply with exactly\n"
@@ -161,16 +172,17 @@ def call_body(tools: dict[str, dict], max_string: int | None, *, name_key: str =
     return f"%json {json.dumps(body)}"
 
 
-def repeat(parallel: bool, max_calls: int | None, separator: str = '"\\n"?') -> str:
+def repeat(parallel: bool, max_calls: int | None, separator: str = '"\\n"?', item: str = "call") -> str:
     """The Lark suffix of the calls after the first: none, at most max_calls − 1, or any number."""
     if not parallel:
         return ""
-    return f" ({separator} call){{0,{max_calls - 1}}}" if max_calls else f" ({separator} call)*"
+    return f" ({separator} {item}){{0,{max_calls - 1}}}" if max_calls else f" ({separator} {item})*"
 
 
-def no_call(opening: str) -> str:
-    """The Lark rule of a turn's text that never writes `opening`."""
-    return f"start: NO_CALL\nNO_CALL: /(?s:.*)/ & ~/(?s:.*){_regex(opening)}(?s:.*)/\n"
+def no_call(opening: str, *, bare: bool = False) -> str:
+    """The Lark rule of a turn's text that never writes `opening` (`bare`: nor opens with a bare call)."""
+    rule = f"/(?s:.*)/ & ~/(?s:.*){_regex(opening)}(?s:.*)/" + (f" & {NOT_BARE}" if bare else "")
+    return f"start: NO_CALL\nNO_CALL: {rule}\n"
 
 
 def _regex(text: str) -> str:
@@ -178,12 +190,14 @@ def _regex(text: str) -> str:
 
 
 def lark(tools: dict[str, dict], choice: str, parallel: bool, max_calls: int | None, max_string: int | None,
-         *, pad: str = "", tokenizer=None) -> str:
+         *, pad: str = "", tokenizer=None, bare: bool = False) -> str:
     """The turn's grammar in llguidance's Lark format, each call's JSON an inline %json schema
     between the tags (`pad`: the text between a tag and the JSON, as the template writes it; a tag
-    that is a control token of the vocabulary, as Qwen's are, written as that token)."""
+    that is a control token of the vocabulary, as Qwen's are, written as that token). `bare`: in
+    "auto", the turn may also be calls written without the tags (bare objects, or in a ```json
+    block), which free text may then not begin like; "none" forbids both."""
     if choice == "none":  # (a control token is never allowed where the grammar does not name it)
-        return no_call(OPEN)
+        return no_call(OPEN, bare=bare)
     p = json.dumps(pad)
     opening, closing = token_literal(tokenizer, OPEN), token_literal(tokenizer, CLOSE)
     lines = [
@@ -191,13 +205,19 @@ def lark(tools: dict[str, dict], choice: str, parallel: bool, max_calls: int | N
         f"call: {opening} {p} body {p} {closing}",
     ]
     more = repeat(parallel, max_calls)
+    text = "TEXT: /(?s:.*)/" + (f" & {NOT_BARE}" if bare else "")
+    untagged = ""
+    if bare and choice == "auto":
+        bodies = "body" + repeat(parallel, max_calls, '"\\n"', "body")
+        untagged = " | bare"
+        lines += [f'bare: {bodies} | "```json\\n" {bodies} "\\n```"']
     if choice == "auto" and opening.startswith("<["):  # free text cannot hold a token: it ends where the call opens
         # (a call may also open the turn, with no text before it)
-        lines += ["start: TEXT | TEXT call" + more + " | call" + more, "TEXT: /(?s:.*)/"]
+        lines += ["start: TEXT | TEXT call" + more + " | call" + more + untagged, text]
     elif choice == "auto":
         lines += [
-            f"start: TEXT | head {p} body rest",
-            "TEXT: /(?s:.*)/",
+            f"start: TEXT | head {p} body rest" + untagged,
+            text,
             f"head[lazy]: TEXT {opening}",
             f"rest: {p} {closing}{more}",
         ]
@@ -260,6 +280,78 @@ class Hermes(TaggedJSON):
     name = "hermes"
     templated = True
     pad = "\n"
+    bare_openings = ("{", " {", "\n{", "```json")
 
     def render_result(self, result: str) -> str:
         return f"{RESPONSE_OPEN}\n{result}\n{RESPONSE_CLOSE}"
+
+    # A turn that opens with bare calls is read as the same calls between the tags (`tagged`).
+    def parse(self, text: str, tools: Iterable[str] | None = None) -> tuple[list[ToolCall], str | None]:
+        return super().parse(tagged(text), tools)
+
+    def complete_calls(self, text: str, tools: Iterable[str] | None = None) -> list[ToolCall]:
+        return super().complete_calls(tagged(text), tools)
+
+    def scan(self, text: str, *, final: bool) -> list[PartialCall]:
+        return super().scan(tagged(text), final=final)
+
+    def is_open(self, text: str) -> bool:
+        return super().is_open(tagged(text))
+
+    def began(self, text: str) -> bool:
+        return super().began(tagged(text))
+
+    def free_text(self, text: str) -> str:
+        return super().free_text(tagged(text))
+
+    def without_open_call(self, text: str) -> str:
+        return super().without_open_call(tagged(text))
+
+    def raw_call(self, text: str) -> str:
+        return super().raw_call(tagged(text))
+
+    def opening_tail(self, text: str) -> int:
+        return len(text) if may_open_bare(text) else super().opening_tail(text)
+
+    def grammar(self, tools: dict[str, dict], choice: str, *, parallel: bool, max_calls: int | None,
+                max_string: int | None, tokenizer=None) -> str:
+        return lark(tools, choice, parallel, max_calls, max_string, pad=self.pad, tokenizer=tokenizer, bare=True)
+
+
+def tagged(text: str) -> str:
+    """A turn that opens with calls written without the tags (bare JSON objects one after another, or
+    in a ```json block), written with them: the objects as far as written, each between the tags
+    (the last left open while its JSON is), what follows them dropped. Any other text is itself."""
+    m = BARE.match(text) if isinstance(text, str) else None
+    if m is None:
+        return text
+    out, i = [], m.end()
+    while i < len(text) and text[i] == "{":
+        try:
+            _, j = _decoder.raw_decode(text, i)
+        except (ValueError, RecursionError):
+            out.append(f"{OPEN}\n{text[i:]}")
+            break
+        out.append(f"{OPEN}\n{text[i:j]}\n{CLOSE}")
+        i = j
+        while i < len(text) and text[i] in " \t\r\n":
+            i += 1
+    return "\n".join(out)
+
+
+def may_open_bare(text: str) -> bool:
+    """Free text that a later token may still make the opening of a bare call (a stream holds it back)."""
+    rest = text.lstrip(" \t\r\n")
+    if not rest:
+        return False
+    if rest.startswith("```"):
+        head, newline, rest = rest.partition("\n")
+        if not newline:
+            return FENCE.startswith(head.rstrip()) or head.rstrip() == "```"
+        if head.rstrip() not in ("```", FENCE):
+            return False
+        rest = rest.lstrip(" \t\r\n")
+        if not rest:
+            return True
+    compact = re.sub(r"\s+", "", rest)
+    return '{"name"'.startswith(compact)
