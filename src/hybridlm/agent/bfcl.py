@@ -29,11 +29,14 @@ import re
 import sys
 import time
 import types
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 from dataclasses import dataclass
 from pathlib import Path
 
 from hybridlm.errors import InputError
+
+if TYPE_CHECKING:
+    from hybridlm.turns.codecs import ToolCall
 
 CATEGORIES = ("simple_python", "multiple", "parallel", "live_simple")
 INSTALL = "pip install --no-deps 'bfcl-eval>=2025'"
@@ -321,12 +324,13 @@ def llama_cpp_runners(spec=None) -> list[LlamaCppRunner]:
     return [strict, LlamaCppRunner(path, parsing="lenient", llm=strict.llm)]
 
 
-def bare_calls(text: str) -> list:
+def bare_calls(text: str) -> list[ToolCall]:
     """Every JSON object (or list of them) in the text that reads as a call {"name", "arguments" or
     "parameters"}: what a lenient parser takes from a ```json block or bare JSON."""
     from hybridlm.turns.codecs import ToolCall
 
-    decoder, out, i = json.JSONDecoder(), [], 0
+    decoder, i = json.JSONDecoder(), 0
+    out: list[ToolCall] = []
     while True:
         starts = [j for j in (text.find("{", i), text.find("[", i)) if j >= 0]
         if not starts:
