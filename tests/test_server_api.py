@@ -179,6 +179,21 @@ def test_tokenize_and_detokenize_as_llama_cpp(served, llama):
     assert status == 400 and out["error"]["param"] == "tokens"
 
 
+def test_a_big_body_is_read_first_apart_and_then_served(served, llama):
+    """A body past SCREEN_BYTES is read by the screening process before the server reads it: within the
+    bounds it is served as any other (tokens as llama.cpp's), past them it gets the 400 naming the bound."""
+    from hybridlm.server.bounds import MAX_VALUES, SCREEN_BYTES
+
+    text = "Rome, café; " * (SCREEN_BYTES // 10)
+    status, out = post(served, "/tokenize", {"content": text, "parse_special": False})
+    assert status == 200 and out["tokens"] == llama.tokenize(text.encode(), add_bos=False, special=False)
+    schema = {"type": "object", "properties": {f"p{i}": {} for i in range(MAX_VALUES // 2)}}
+    status, out = post(served, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                     "tools": [{"type": "function", "function": {
+                                                         "name": "f", "parameters": schema}}]})
+    assert status == 400 and f"{MAX_VALUES:,} JSON values" in out["error"]["message"], out
+
+
 # ====================================================================== names, health
 def test_aliases_are_listed_and_answered(client):
     assert [m.id for m in client.models.list().data] == [MODEL, "gpt-4o-mini"]

@@ -14,6 +14,7 @@ needs no key; /metrics needs the key when there is one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 
@@ -24,11 +25,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridlm.server import dialects as D, handlers as H
+from hybridlm.server.bounds import SCREEN_BYTES, Screen
 from hybridlm.server.guard import Guard, Policy
 from hybridlm.server.metrics import Metrics
 from hybridlm.server.service import Service
 from hybridlm.server.wire import (
     APIError, DetokenizeBody, EmbeddingsBody, TokenizeBody, json_object, parse_body, parse_chat, parse_completion,
+    refusal,
 )
 
 log = logging.getLogger("hybridlm.server")
@@ -40,8 +43,15 @@ def create_app(service: Service | None, *, api_key: str | None = None, max_body_
                policy: Policy | None = None) -> FastAPI:
     """The app of `service`; None while the model loads (every route but /health answers 503
     "loading" until `ready(app, service)`)."""
+    screen = Screen()  # (the process that reads a big body first: hybridlm.server.bounds)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        screen.close()
+
     app = FastAPI(title="hybridlm", summary="An OpenAI-compatible server of hybrid automata", docs_url=None,
-                  redoc_url=None)
+                  redoc_url=None, lifespan=lifespan)
     policy = policy if policy is not None else Policy("127.0.0.1")
     if policy.cors_origins:  # (added first: the guard, added last, runs before it)
         app.add_middleware(CORSMiddleware, allow_origins=policy.cors_origins, allow_methods=["GET", "POST"],
@@ -121,7 +131,12 @@ def create_app(service: Service | None, *, api_key: str | None = None, max_body_
                 raise APIError(413, f"the request body is over the limit of {max_body_bytes:,} bytes",
                                code="request_too_large")
             chunks.append(chunk)
-        return b"".join(chunks)
+        raw = b"".join(chunks)
+        if size >= SCREEN_BYTES:  # read first by a process of its own: a big body's reading holds no one here
+            verdict = await run_in_threadpool(screen.check, raw)
+            if not verdict.get("ok"):
+                raise refusal(verdict)
+        return raw
 
     # ------------------------------------------------------------------ health, metrics, models
     @app.api_route("/health", methods=["GET", "HEAD"])

@@ -23,14 +23,12 @@ from typing import Annotated, Any, Literal, TypeVar
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
+from hybridlm.server.bounds import OutOfBounds, check_counts
+
 MAX_N = 16  # choices per request
 MAX_STOP = 4  # stop strings (OpenAI's limit)
 MAX_STOP_CHARS = 512  # characters of one stop string (each is searched for at every streamed token)
 MAX_TOP_LOGPROBS = 20
-MAX_MESSAGES = 2048  # messages of one conversation (OpenAI's limit)
-MAX_TOOLS = 128  # tools offered by one request (OpenAI's limit)
-MAX_CALLS = 128  # tool calls of one assistant message
-MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 
 # Numbers and flags as JSON writes them: `true` is not 1 and "0.7" is not 0.7 (OpenAI refuses both).
 Int = Annotated[int, Strict()]
@@ -213,9 +211,9 @@ def json_object(raw: bytes | str | dict) -> dict:
         try:
             data = json.loads(raw)
         except RecursionError:
-            raise invalid("the request body is nested too deeply to be a request") from None
+            raise refusal({"too_deep": True}) from None
         except (ValueError, UnicodeDecodeError) as exc:
-            raise invalid(f"the request body is not JSON ({str(exc)[:120]})") from None
+            raise refusal({"not_json": str(exc)[:120]}) from None
     else:
         data = raw
     if not isinstance(data, dict):
@@ -227,6 +225,15 @@ def json_object(raw: bytes | str | dict) -> dict:
         raise invalid(f"'{where}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair): "
                       "not text", param=where or None)
     return data
+
+
+def refusal(verdict: dict) -> APIError:
+    """The 400 for a verdict of `hybridlm.server.bounds.verdict` other than {"ok": true}."""
+    if verdict.get("too_deep"):
+        return invalid("the request body is nested too deeply to be a request")
+    if "not_json" in verdict:
+        return invalid(f"the request body is not JSON ({verdict['not_json']})")
+    return invalid(str(verdict.get("bound")), param=verdict.get("param"))
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -371,26 +378,10 @@ MAX_ID_DIGITS = 9  # a token id has fewer digits than this (vocabularies are far
 
 
 def _check_counts(data: dict) -> None:
-    """The cheap bounds, on the JSON object before it is validated (validation walks the whole of it): a body of
-    85,000 tool calls or 10,000 messages is refused after a count, not after seconds of work."""
-    messages, tools, bias = data.get("messages"), data.get("tools"), data.get("logit_bias")
-    if isinstance(messages, list):
-        if len(messages) > MAX_MESSAGES:
-            raise invalid(f"{len(messages):,} messages: at most {MAX_MESSAGES}", param="messages")
-        calls = 0
-        for i, m in enumerate(messages):
-            listed = m.get("tool_calls") if isinstance(m, dict) else None
-            if isinstance(listed, list):
-                if len(listed) > MAX_CALLS:
-                    raise invalid(f"messages[{i}] has {len(listed):,} tool calls: at most {MAX_CALLS}",
-                                  param=f"messages[{i}].tool_calls")
-                calls += len(listed)
-        if calls > MAX_MESSAGES:  # (each call is answered by a message of its own)
-            raise invalid(f"{calls:,} tool calls in the conversation: at most {MAX_MESSAGES}", param="messages")
-    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
-        raise invalid(f"{len(tools):,} tools: at most {MAX_TOOLS}", param="tools")
-    if isinstance(bias, dict) and len(bias) > MAX_LOGIT_BIAS:
-        raise invalid(f"logit_bias has {len(bias):,} entries: at most {MAX_LOGIT_BIAS}", param="logit_bias")
+    try:
+        check_counts(data)
+    except OutOfBounds as exc:
+        raise invalid(exc.message, param=exc.param) from None
 
 
 def _check_sampling(body: _Sampling) -> None:
