@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridlm import Kernel
-from hybridlm.engine import Engine, PrefixCache
+from hybridlm.engine import ArcState, Engine, HybridSystem, Limits, PrefixCache
 from hybridlm.engine.clock import sequence
 from hybridlm.engine.prefill import prefill_steps
 from hybridlm.errors import InputError
@@ -97,3 +97,53 @@ def test_chunks_cover_the_prompt_and_give_the_prefill_in_one_piece(toy_model):
 def test_a_bad_chunk_is_named(toy_model, bad):
     with pytest.raises(InputError, match="prefill_chunk"):
         Engine(toy_model, prefill_chunk=bad)
+
+
+class _LongObservation(HybridSystem):
+    """A toy tool user: one jump after 3 tokens whose observation is `n` tokens long."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def flow_set(self, s):
+        return s.finished is False and not self.jump_set(s)
+
+    def jump_set(self, s):
+        return s.k == 0 and len(s.turn) >= 3
+
+    def jump(self, s):
+        return lambda: "y"
+
+    def landed(self, s, result):
+        s.count_jump()
+        s.emit("jump", tool="long", arguments={}, observation=result, error=None, duration_s=0.0)
+        return [(17 * i) % 50000 + 1 for i in range(self.n)]
+
+
+def _lander(model):
+    return ArcState(_LongObservation(100), [5, 6, 7], kernel=Kernel(greedy=True),
+                    limits=Limits(max_token_steps=10, max_jumps=1))
+
+
+def test_a_long_observation_lands_a_chunk_per_step(toy_model, monkeypatch):
+    """The observation of a jump is prefilled like a prompt: a chunk between two token steps of the running
+    rows; the sequence's tokens are those it gets alone, whatever ran beside it."""
+    alone = Engine(toy_model, prefill_chunk=CHUNK)
+    lone = alone.add(_lander(toy_model))
+    alone.run()
+    short, _ = _prompts()
+    engine = Engine(toy_model, prefill_chunk=CHUNK)
+    runner = engine.add(sequence(toy_model, short, kernel=Kernel(greedy=True), max_new_tokens=40))
+    s = engine.add(_lander(toy_model))
+    while s not in engine.external:
+        engine.step()
+    counter = _PrefillTokens(toy_model, monkeypatch)
+    while not any(e["action"] == "join" and e["reason"] == "observation" for e in s.arc.of("batch")):
+        before, t = counter.n, runner.t
+        engine.step()
+        assert counter.n - before <= CHUNK and (runner.done or runner.t == t + 1)
+    monkeypatch.undo()
+    assert counter.n == 100
+    engine.run()
+    assert s.error is None and lone.error is None and s.k == 1
+    assert s.arc.tokens == lone.arc.tokens and len(s.arc.tokens) == 10

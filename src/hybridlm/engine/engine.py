@@ -25,18 +25,21 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import functools
 import math
 import threading
 import time
 from collections import deque
 from collections.abc import Generator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from hybridlm.engine.arc import Mode, Termination
-from hybridlm.engine.prefill import SEGMENT, ContextPolicy, PrefixCache, inject, prefill_steps, truncate_for_step
+from hybridlm.engine.prefill import (
+    SEGMENT, ContextPolicy, PrefixCache, inject_steps, prefill_steps, truncate_for_step,
+)
 from hybridlm.engine.sequence import ArcState
 from hybridlm.engine.system import Priority
 from hybridlm.errors import InputError
@@ -82,7 +85,8 @@ class Engine:
         self.prefix_cache = prefix_cache
         self.stats = EngineStats()
         self.waiting: deque[ArcState] = deque()  # joined, not yet admitted
-        self.filling: deque[tuple[ArcState, Generator]] = deque()  # admitted, their prefill under way
+        # admitted or landing, their prefill under way: (sequence, its chunks, what follows the last)
+        self.filling: deque[tuple[ArcState, Generator, Callable[[ArcState, Any], None]]] = deque()
         self.active: list[ArcState] = []  # in q_G: the batch
         self.external: list[ArcState] = []  # in q_E: their jump maps run
         self._cancelled: set[ArcState] = set()
@@ -107,6 +111,19 @@ class Engine:
         with self._lock:
             self._cancelled.add(s)
         self._wake.set()
+
+    def sequences(self) -> list[ArcState]:
+        """Every sequence not yet ended: waiting, being prefilled or landing, in q_G, in q_E."""
+        return [*self.waiting, *(f[0] for f in self.filling), *self.active, *self.external]
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Every admitted sequence ends with `exc` (a step failed in a way no one sequence explains)."""
+        for s in [*(f[0] for f in self.filling), *self.active, *self.external]:
+            if not s.done:
+                self._fail(s, exc)
+        self.filling.clear()
+        self.active.clear()
+        self.external.clear()
 
     @property
     def busy(self) -> bool:
@@ -163,7 +180,7 @@ class Engine:
 
     # ------------------------------------------------------------------ joining and leaving
     def _admit(self) -> None:
-        while self.waiting and len(self.active) + len(self.filling) < self.max_batch:
+        while self.waiting and len(self.active) + self._admitted_filling() < self.max_batch:
             with self._lock:
                 s = self.waiting.popleft()
             self.stats.joined += 1
@@ -194,41 +211,56 @@ class Engine:
                     ended, value = _advance(steps)  # (the cache's lookup)
                 if not ended:
                     s.cached_tokens = value
-                    self.filling.append((s, steps))
+                    self.filling.append((s, steps, self._prefilled))
                     return
                 s.x = value  # a prefill in one piece (a soft prefix, a bare state-space form)
             # a continued state: it holds all but `resume` (e.g. the observations of a client's tools)
             s.cached_tokens = len(s.prompt) - len(s.resume)
-            if s.resume:
-                with self._inputs([s]):
-                    if inject(model, s.x, s.resume, policy=self.context):
-                        s.rebuilds += 1
         except Exception as exc:  # noqa: BLE001 - the sequence ends with its error; the others go on
             self._fail(s, exc)
             return
         finally:
             self.stats.wall_prefill_s += time.perf_counter() - t0
+        if s.resume:
+            self._fill_later(s, s.resume, self._resumed)
+        else:
+            self._joined(s)
+
+    def _admitted_filling(self) -> int:
+        """Sequences admitted whose prompt is being prefilled (a landing was admitted before)."""
+        return sum(1 for _, _, then in self.filling if then in (self._prefilled, self._resumed))
+
+    def _fill_later(self, s: ArcState, tokens: list[int], then) -> None:
+        """`tokens` into s's state chunk by chunk, interleaved with the token steps; then `then(s, rebuilt)`."""
+        steps = inject_steps(self.model, s.x, tokens, policy=self.context, chunk=self.prefill_chunk)
+        self.filling.append((s, steps, then))
+
+    def _prefilled(self, s: ArcState, x) -> None:
+        s.x = x
+        self._joined(s)
+
+    def _resumed(self, s: ArcState, rebuilt: bool) -> None:
+        s.rebuilds += bool(rebuilt)
         self._joined(s)
 
     def _fill(self) -> None:
         """One chunk of the first prefill under way (the running rows wait for no more than that)."""
         if not self.filling:
             return
-        s, steps = self.filling[0]
+        s, steps, then = self.filling[0]
         t0 = time.perf_counter()
         try:
             with self._inputs([s]):
                 ended, value = _advance(steps)
+            if ended:
+                self.filling.popleft()
+                then(s, value)
         except Exception as exc:  # noqa: BLE001 - the sequence ends with its error; the others go on
-            self.filling.popleft()
+            if self.filling and self.filling[0][0] is s:
+                self.filling.popleft()
             self._fail(s, exc)
-            return
         finally:
             self.stats.wall_prefill_s += time.perf_counter() - t0
-        if ended:
-            self.filling.popleft()
-            s.x = value
-            self._joined(s)
 
     def _joined(self, s: ArcState) -> None:
         """The prompt is in the state: the sequence joins the batch."""
@@ -250,7 +282,7 @@ class Engine:
             for s in gone:
                 if s in self.waiting:
                     self.waiting.remove(s)
-            self.filling = deque((s, steps) for s, steps in self.filling if s not in gone)
+            self.filling = deque(f for f in self.filling if f[0] not in gone)
         for s in gone:
             if s.done:
                 continue
@@ -325,6 +357,8 @@ class Engine:
         self.external.append(s)
 
     def _land(self) -> None:
+        """The jumps whose external work finished: their observation enc(y) is prefilled into the state
+        (chunk by chunk, interleaved with the token steps) and the sequence is back in q_G."""
         for s in [s for s in self.external if s.pending.done()]:
             self.external.remove(s)
             t0 = time.perf_counter()
@@ -335,22 +369,24 @@ class Engine:
                 s.pending = None
                 s.q = Mode.GENERATE
                 s.enter_phase("prefill", tokens=len(tokens))
-                with self._inputs([s]):
-                    if inject(self.model, s.x, tokens, policy=self.context):
-                        s.rebuilds += 1
-                        s.emit("context", policy=self.context.describe(), n=s.x.n if hasattr(s.x, "n") else None)
-                s.entered(tokens)
-                if s.controls is not None:
-                    s.controls.observe(tokens)
+                self._fill_later(s, tokens, functools.partial(self._landed, tokens=tokens))
             except Exception as exc:  # noqa: BLE001 - a fault of one sequence ends its arc, not the step
                 self._fail(s, exc)
-                continue
             finally:
                 self.stats.wall_prefill_s += time.perf_counter() - t0
-            s.turn = []
-            s.enter_phase(s.system.phase_of(s))
-            self.active.append(s)
-            s.emit("batch", action="join", reason="observation", batch=len(self.active))
+
+    def _landed(self, s: ArcState, rebuilt: bool, *, tokens: list[int]) -> None:
+        """The observation `tokens` is in the state: the sequence rejoins the batch."""
+        if rebuilt:
+            s.rebuilds += 1
+            s.emit("context", policy=self.context.describe(), n=s.x.n if hasattr(s.x, "n") else None)
+        s.entered(tokens)
+        if s.controls is not None:
+            s.controls.observe(tokens)
+        s.turn = []
+        s.enter_phase(s.system.phase_of(s))
+        self.active.append(s)
+        s.emit("batch", action="join", reason="observation", batch=len(self.active))
 
     # ------------------------------------------------------------------ f: one token step for the batch
     def _flow(self, batch: list[ArcState]) -> None:

@@ -243,17 +243,34 @@ def prefill_steps(model, tokens: Sequence[int], *, marks: Iterable[int] = (), ca
 
 @torch.no_grad()
 def inject(model, x, tokens: Sequence[int], *, policy: ContextPolicy = ContextPolicy()) -> bool:
-    """Append tokens (an observation enc(y)) to a state through a prefill; under the block policy a
-    string that would pass T is first cut to its last T − δ tokens (True: the state was rebuilt)."""
+    """Append tokens (an observation enc(y)) to a state through a prefill, in one piece; under the block
+    policy a string that would pass T is first cut to its last T − δ tokens (True: the state was rebuilt)."""
+    steps = inject_steps(model, x, tokens, policy=policy, chunk=0)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+@torch.no_grad()
+def inject_steps(model, x, tokens: Sequence[int], *, policy: ContextPolicy = ContextPolicy(), chunk: int = SEGMENT):
+    """`inject` a chunk of at most `chunk` tokens at a time (0: in one piece), yielding between two chunks, for
+    an engine that interleaves the landing of a long observation with the token steps of its running rows;
+    returns whether the state was rebuilt (StopIteration's value). The chunks are a function of the tokens
+    and `chunk` alone, so a sequence's arithmetic does not depend on what else the engine runs."""
     tokens = [int(i) for i in tokens]
     if not tokens:
         return False
     T = model.config.n_ctx
     if policy.kind == "block" and hasattr(x, "n") and x.n + len(tokens) > T:
-        _rebuild(model, x, (x.tokens[0].tolist() + tokens)[-policy.keep(T):])
+        yield from _rebuild_steps(model, x, (x.tokens[0].tolist() + tokens)[-policy.keep(T):])
         return True
     rebuilds = getattr(x, "rebuilds", 0)
-    model.F(x, tokens)  # past T, F itself rebuilds from Π_T(s ∘ w): the exact policy
+    for a, b in segments(tokens, size=chunk or len(tokens)):
+        if a:
+            yield
+        model.F(x, tokens[a:b])  # past T, F itself rebuilds from Π_T(s ∘ w): the exact policy
     return getattr(x, "rebuilds", 0) > rebuilds
 
 
@@ -268,10 +285,18 @@ def truncate_for_step(model, x, policy: ContextPolicy) -> bool:
 
 
 def _rebuild(model, x, tokens: list[int]) -> None:
+    for _ in _rebuild_steps(model, x, tokens):
+        pass
+
+
+def _rebuild_steps(model, x, tokens: list[int]):
+    """x rebuilt from `tokens` in canonical segments, yielding between two."""
     if any(i < 0 for i in tokens):
         raise InputError("the context holds soft-prefix rows, which a truncation cannot rebuild; "
                          "shorten the prompt or the budget")
     x.reset()
     x.rebuilds += 1
-    for a, b in segments(tokens):
+    for i, (a, b) in enumerate(segments(tokens)):
+        if i:
+            yield
         model.F(x, tokens[a:b])

@@ -204,11 +204,11 @@ class Service:
                         engine.step()
                 except Exception as exc:
                     log.exception("engine step failed")
-                    self._fail_all(exc)
+                    self.engine.fail_all(exc)
                 self.counters.rate.append((time.perf_counter(), engine.stats.tokens))
         finally:
             self._looping = False
-            for s in [*engine.waiting, *(f for f, _ in engine.filling), *engine.active, *engine.external]:
+            for s in engine.sequences():
                 engine.cancel(s)
             if engine.busy:
                 engine.step()
@@ -217,15 +217,6 @@ class Service:
         """Ask `loop` to return after the step in progress."""
         self._stop.set()
         self.engine._wake.set()
-
-    def _fail_all(self, exc: BaseException) -> None:
-        engine = self.engine
-        for s in [*(f for f, _ in engine.filling), *engine.active, *engine.external]:
-            if not s.done:
-                engine._fail(s, exc)
-        engine.filling.clear()
-        engine.active.clear()
-        engine.external.clear()
 
     # ------------------------------------------------------------------ the population
     def submit(self, sequences: list[ArcState]) -> None:
