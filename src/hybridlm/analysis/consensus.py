@@ -43,7 +43,7 @@ class LayerStep:
     E: torch.Tensor  # [B]: one value per prompt
 
 
-def block_step(model: DecoderLM, block: nn.Module, h: torch.Tensor, pos: torch.Tensor, *,
+def block_step(model: DecoderLM | StackLM, block: nn.Module, h: torch.Tensor, pos: torch.Tensor, *,
                attention_only: bool) -> torch.Tensor:
     """One layer-step: the full block (0.39)–(0.40), or its attention sublayer alone (0.41)."""
     if not attention_only:
