@@ -22,10 +22,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from hybridlm.analysis.sphere import consensus_E
 from hybridlm.errors import InputError
 from hybridlm.lm.model import Block, DecoderLM, init_weights
+from hybridlm.lm.sphere_block import SphereBlock
+from hybridlm.ssm.model import RecurrentBlock, StackLM
 
 WEIGHTS = ("pretrained", "random-fixed", "random-redrawn")
 
@@ -40,23 +43,25 @@ class LayerStep:
     E: torch.Tensor  # [B]: one value per prompt
 
 
-def block_step(model: DecoderLM, block: Block, h: torch.Tensor, pos: torch.Tensor, *,
+def block_step(model: DecoderLM | StackLM, block: nn.Module, h: torch.Tensor, pos: torch.Tensor, *,
                attention_only: bool) -> torch.Tensor:
     """One layer-step: the full block (0.39)–(0.40), or its attention sublayer alone (0.41)."""
     if not attention_only:
         return block(h, pos, None, model.rotary)
-    if hasattr(block, "attention_only_step"):  # the post-norm sphere block: n(z + A(Z)) (0.41)
+    if isinstance(block, SphereBlock):  # the post-norm sphere block: n(z + A(Z)) (0.41)
         return block.attention_only_step(h, pos, model.rotary)
-    if hasattr(block, "mixer_step"):  # a recurrent block of hybridlm.ssm: its mixer sublayer alone
+    if isinstance(block, RecurrentBlock):  # a recurrent block of hybridlm.ssm: its mixer sublayer alone
         return block.mixer_step(h, pos)
+    if not isinstance(block, Block):
+        raise TypeError(f"block {type(block).__name__}: expected a transformer, sphere or recurrent block")
     h = block.hook_resid_pre(h)
     return block.hook_resid_post(h + block.hook_attn_out(block.attention_sublayer(h, pos, None, model.rotary)))
 
 
-def reinit(model: DecoderLM, seed: int, *, part=None) -> None:
+def reinit(model: DecoderLM | StackLM, seed: int, *, part: nn.Module | None = None) -> None:
     """Random weights of the model's family, in place: `model.reinit` where the model has its
     own (the stacks of `hybridlm.ssm`), GPT-2's initialisation otherwise."""
-    if hasattr(model, "reinit"):
+    if isinstance(model, StackLM):
         model.reinit(seed, part=part)
     else:
         init_weights(model, seed=seed, part=part)

@@ -168,11 +168,12 @@ def consensus_shard(cfg: ConsensusConfig, model, start: int, stop: int, *, h: to
         h = embed(model, prompt_ids(model, cfg, start, stop))
     else:
         h = h.to(model.W_e.device, model.W_e.dtype)
-    steps, E = [], []
+    steps: list[tuple[int, int, int]] = []
+    rows: list[torch.Tensor] = []
     for step, h in layer_steps(model, cfg, h, start_pass):  # noqa: B007, B020 - h: the last state, returned
         steps.append((step.k, step.pass_, step.layer))
-        E.append(step.E.detach().float().cpu())
-    E = torch.stack(E) if E else torch.empty(0, stop - start)
+        rows.append(step.E.detach().float().cpu())
+    E = torch.stack(rows) if rows else torch.empty(0, stop - start)
     return ShardResult(start, stop, steps, E, h.detach().cpu(), model_info(model))
 
 

@@ -32,8 +32,10 @@ from scipy.special import softmax
 
 try:  # torch is a dependency of hybridlm, but the simulator itself needs only numpy
     import torch
+
+    _TENSOR_TYPES: tuple[type, ...] = (torch.Tensor,)
 except ImportError:  # pragma: no cover
-    torch = None
+    _TENSOR_TYPES = ()
 
 Weights = Union[np.ndarray, Callable[[float], np.ndarray]]
 
@@ -47,7 +49,7 @@ def consensus_E(z):
     without the cancellation of 1 − cos near consensus: E ≥ 0 exactly, and E ≈ θ²/2 stays
     accurate far below machine epsilon. E = 0 iff all tokens align; a zero token gives nan.
     """
-    if torch is None or not isinstance(z, torch.Tensor):
+    if not isinstance(z, _TENSOR_TYPES):
         z = np.asarray(z, dtype=float)
     u = z / ((z * z).sum(-1, keepdims=True) ** 0.5)
     diff = u[..., :1, :] - u

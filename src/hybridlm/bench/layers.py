@@ -22,6 +22,7 @@ def arc_rates(model, prompt_ids: list[int], new_tokens: int) -> dict:
     from hybridlm.engine.sampling import Kernel
 
     g = generate(model, prompt_ids, kernel=Kernel(greedy=True), max_new_tokens=new_tokens, stop_ids=set())
+    assert g.arc is not None, "generate records the arc"
     return g.arc.rates(layers=model.config.n_layer)
 
 

@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from hybridlm.bench.run import TEXT
@@ -76,10 +77,15 @@ def real_bench(names: list[str], *, threads: int = 2, rounds: int = 3, new_token
     return report
 
 
+def _latency_ms(context: int, side: dict) -> float:
+    return 1e3 * side["latency_s"][str(context)]
+
+
 def _summary(runs: list[dict], contexts) -> dict:
-    figures = {"decode tok/s": lambda f: f["decode_tok_s"], "prefill tok/s": lambda f: f["prefill_tok_s"],
-               **{f"latency@{n} ms/token": (lambda f, n=n: 1e3 * f["latency_s"][str(n)]) for n in contexts},
-               "peak RSS MB": lambda f: f["peak_rss_mb"]}
+    figures: dict[str, Callable[[dict], float]] = {
+        "decode tok/s": lambda f: f["decode_tok_s"], "prefill tok/s": lambda f: f["prefill_tok_s"],
+        **{f"latency@{n} ms/token": partial(_latency_ms, n) for n in contexts},
+        "peak RSS MB": lambda f: f["peak_rss_mb"]}
     out: dict = {"names": {s: runs[0][s]["name"] for s in SIDES}, "figures": {}}
     for label, get in figures.items():
         values = {s: [get(run[s]) for run in runs] for s in SIDES}

@@ -38,9 +38,11 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -183,6 +185,9 @@ def llama_cpp_contender(model, threads: int, n_ctx: int) -> Contender | None:
 
 
 # ---------------------------------------------------------------------- measuring
+Key = TypeVar("Key", bound=Hashable)  # what names a run: a contender, or (contender, context)
+
+
 @dataclass
 class Figure:
     values: list[float] = field(default_factory=list)
@@ -192,8 +197,8 @@ class Figure:
         return {"median": statistics.median(v), "min": min(v), "max": max(v), "values": v} if v else {}
 
 
-def interleaved(runs: dict[str, Callable[[], float]], repeats: int, *, shuffle_seed: int | None = None
-                ) -> dict[str, Figure]:
+def interleaved(runs: Mapping[Key, Callable[[], float]], repeats: int, *, shuffle_seed: int | None = None
+                ) -> dict[Key, Figure]:
     """Each run returns a figure; one warm-up, then `repeats` rounds over all contenders (in a
     fresh seeded shuffle each round when `shuffle_seed` is given)."""
     order, rng = list(runs), random.Random(shuffle_seed)
@@ -311,12 +316,12 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
         _print_section(name, unit, report[name], log)
 
     if "decode" in cfg.sections:
-        section("decode", "tokens/s", {c.name: _timed(lambda c=c: c.decode(prompt, cfg.new_tokens), cfg.new_tokens)
+        section("decode", "tokens/s", {c.name: _timed(partial(c.decode, prompt, cfg.new_tokens), cfg.new_tokens)
                                        for c in contenders})
         outputs = {c.name: c.decode(prompt, 32) for c in contenders}
         report["decode"]["same_tokens_as_exact_first_32"] = {k: v == outputs[exact_name] for k, v in outputs.items()}
     if "prefill" in cfg.sections:
-        section("prefill", "tokens/s", {c.name: _timed(lambda c=c: c.prefill(prefill_ids), len(prefill_ids))
+        section("prefill", "tokens/s", {c.name: _timed(partial(c.prefill, prefill_ids), len(prefill_ids))
                                         for c in contenders}, rounds=max(cfg.repeats, cfg.prefill_rounds))
     if "latency" in cfg.sections:
         _latency(report, contenders, text_ids, cfg, exact_name, log)
@@ -361,14 +366,15 @@ def _latency(report: dict, contenders: list[Contender], text_ids, cfg: BenchConf
     the median over rounds of that round's ratio, is not a difference between two stretches
     of a drifting machine."""
     timed = [c for c in contenders if c.step_time is not None]
-    runs = {(c.name, n): (lambda c=c, ctx=text_ids[:n]: c.step_time(ctx, cfg.latency_steps))
-            for c in timed for n in cfg.contexts}
+    runs = {(c.name, n): partial(c.step_time, text_ids[:n], cfg.latency_steps)
+            for c in contenders if c.step_time is not None for n in cfg.contexts}
     log(f"[latency] {len(cfg.contexts)} contexts × {len(timed)} contenders, {cfg.latency_steps} steps each, "
         f"{cfg.repeats} shuffled rounds ...")
     figs = interleaved(runs, cfg.repeats, shuffle_seed=1)
     for n in cfg.contexts:
-        sec = {"unit": "s/token", "figures": {c.name: figs[c.name, n].as_dict() for c in timed}}
-        sec["ratios"] = _ratios(sec["figures"], contenders, exact_name, higher_better=False)
+        figures = {c.name: figs[c.name, n].as_dict() for c in timed}
+        sec = {"unit": "s/token", "figures": figures,
+               "ratios": _ratios(figures, contenders, exact_name, higher_better=False)}
         report[f"latency@{n}"] = sec
         log(f"[latency@{n}]")
         _print_section(f"latency@{n}", "s/token", sec, log)
@@ -394,11 +400,10 @@ def _batch(model, text_ids, cfg: BenchConfig, log) -> dict:
 
     log(f"[batch] B=1 vs B={cfg.batch}, {cfg.batch_new_tokens} new tokens each ...")
     figs = interleaved({"B=1": lambda: run(1), f"B={cfg.batch}": lambda: run(cfg.batch)}, cfg.repeats)
-    out = {"unit": "tokens/s (aggregate)", "figures": {k: f.as_dict() for k, f in figs.items()}}
-    out["ratio"] = out["figures"][f"B={cfg.batch}"]["median"] / out["figures"]["B=1"]["median"]
-    log(f"  B=1 {out['figures']['B=1']['median']:.1f} tok/s, B={cfg.batch} "
-        f"{out['figures'][f'B={cfg.batch}']['median']:.1f} tok/s: {out['ratio']:.2f}×")
-    return out
+    figures = {k: f.as_dict() for k, f in figs.items()}
+    one, many = figures["B=1"]["median"], figures[f"B={cfg.batch}"]["median"]
+    log(f"  B=1 {one:.1f} tok/s, B={cfg.batch} {many:.1f} tok/s: {many / one:.2f}×")
+    return {"unit": "tokens/s (aggregate)", "figures": figures, "ratio": many / one}
 
 
 HOOK_MODES = {"off": "hooks off", "stripped": "no hook points", "residuals": "all residual states",
@@ -450,7 +455,7 @@ def _hook_costs(model, prompt, prefill_ids, cfg: BenchConfig, log) -> dict:
                  "prefill_rounds": cfg.hook_prefill_rounds}
     for name, run, rounds, unit in (("decode", decode_block, cfg.hook_rounds, "s/token"),
                                     ("prefill", prefill, cfg.hook_prefill_rounds, "s")):
-        times = interleaved({m: (lambda m=m, run=run: run(m)) for m in HOOK_MODES}, rounds, shuffle_seed=0)
+        times = interleaved({m: partial(run, m) for m in HOOK_MODES}, rounds, shuffle_seed=0)
         out[name] = {"unit": unit, "figures": {HOOK_MODES[m]: f.as_dict() for m, f in times.items()}}
         ratios = {label: Figure([x / y for x, y in zip(times[a].values, times[b].values)]).as_dict()
                   for label, (a, b) in pairs.items()}

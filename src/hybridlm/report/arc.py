@@ -41,11 +41,17 @@ PLANT_TIME = ("plant_t", "plant_time", "time")
 EXAMPLES = 3  # raw lines shown per unknown event kind
 
 
-def _num(value, default: float = 0.0) -> float:
-    """A finite float from a field that may be missing or of another type."""
+def _finite(value) -> float | None:
+    """A finite float from a field that may be missing or of another type (None where it is not one)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return default
+        return None
     return float(value)
+
+
+def _num(value, default: float = 0.0) -> float:
+    """A finite float from a field that may be missing or of another type (`default` where it is not one)."""
+    number = _finite(value)
+    return default if number is None else number
 
 
 def _clean(value):
@@ -67,6 +73,11 @@ def arc_view(events: list[dict], states=None) -> dict:
         raise InputError("an arc report needs a list of trace events (dicts with an 'event' field)")
     start = next((e for e in events if e["event"] == "start"), None)
     end = next((e for e in reversed(events) if e["event"] == "end"), None)
+    problems = []
+    if start is None:
+        problems.append("the trace has no start event: task, model and limits are unknown")
+    if end is None:
+        problems.append("the trace has no end event: the run did not finish (stopped or killed)")
     view = {
         "kind": "arc",
         "start": start,
@@ -84,12 +95,8 @@ def arc_view(events: list[dict], states=None) -> dict:
         "states": _states(states, sum(e["event"] == "token" for e in events)),
         "unknown": _unknown(events),
         "extra_fields": _extra_fields(events),
-        "problems": [],
+        "problems": problems,
     }
-    if start is None:
-        view["problems"].append("the trace has no start event: task, model and limits are unknown")
-    if end is None:
-        view["problems"].append("the trace has no end event: the run did not finish (stopped or killed)")
     return _clean(view)
 
 
@@ -122,7 +129,7 @@ def _phases(events: list[dict]) -> list[dict]:
     return out
 
 
-def _tokens(events: list[dict]) -> dict:
+def _tokens(events: list[dict]) -> dict[str, list | None]:
     """The token steps as columns; the probability of the sampled token under the model at τ = 1 (`p`) and under
     the kernel that drew it (`kernel_p`), and the entropy, when recorded."""
     cols: dict[str, list] = {"t": [], "k": [], "wall": [], "phase": [], "text": [], "id": [], "p": [], "kernel_p": [],
@@ -146,10 +153,8 @@ def _tokens(events: list[dict]) -> dict:
         cols["entropy"].append(e.get("entropy") if isinstance(e.get("entropy"), (int, float)) else None)
         extra = {k: v for k, v in e.items() if k not in COMMON | KNOWN_FIELDS["token"]}
         cols["extra"].append(extra or None)
-    for name in ("p", "kernel_p", "entropy", "extra"):
-        if all(v is None for v in cols[name]):
-            cols[name] = None
-    return cols
+    optional = ("p", "kernel_p", "entropy", "extra")  # None where no token step recorded them
+    return {name: None if name in optional and all(v is None for v in col) else col for name, col in cols.items()}
 
 
 def _exp(logp) -> float | None:
@@ -289,11 +294,11 @@ def _series(rows: list[dict]) -> dict[str, list]:
 def _components(value, base: str) -> dict[str, float | None]:
     """A vector's components by name: an object's keys, or base[i] for a list, base for a number."""
     if isinstance(value, dict):
-        return {str(k): _num(v, None) for k, v in value.items()}
+        return {str(k): _finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return {f"{base}[{i}]": _num(v, None) for i, v in enumerate(value)}
+        return {f"{base}[{i}]": _finite(v) for i, v in enumerate(value)}
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return {base: _num(value, None)}
+        return {base: _finite(value)}
     return {}
 
 

@@ -130,7 +130,7 @@ def export_arc(events: list[dict], target: str | os.PathLike, *, epoch_s: float 
 
     A URL without a path gets the OTLP traces path /v1/traces. Returns the number of spans.
     """
-    from opentelemetry.sdk.trace.export import SpanExportResult
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
     spans = arc_spans(events, epoch_s=epoch_s)
     target = str(target)
@@ -141,7 +141,7 @@ def export_arc(events: list[dict], target: str | os.PathLike, *, epoch_s: float 
             raise InputError("--otel URL needs opentelemetry-exporter-otlp-proto-http: pip install 'hybridlm[report]'") from None
         url = urlparse(target)
         endpoint = target if url.path not in ("", "/") else target.rstrip("/") + "/v1/traces"
-        exporter = OTLPSpanExporter(endpoint=endpoint, timeout=timeout_s)
+        exporter: SpanExporter = OTLPSpanExporter(endpoint=endpoint, timeout=timeout_s)
     else:
         try:
             from opentelemetry.exporter.otlp.json.file import FileSpanExporter

@@ -97,8 +97,11 @@ def report_html(path: str | os.PathLike, *, states: str | os.PathLike | None = N
             raise InputError(f"--states {states}: only an agent trace has states; {path} is a {kind} run folder")
         return kind, (render_consensus_report(path) if kind == "consensus" else render_survey_report(path))
     events = read_trace(path)
-    states_path = Path(states) if states is not None else states_beside(path)
-    if states is not None and not states_path.is_file():
+    if states is None:
+        states_path = states_beside(path)
+    elif Path(states).is_file():
+        states_path = Path(states)
+    else:
         raise InputError(f"--states {states}: no such file")
     return kind, render_arc_report(events, load_states(states_path)[0] if states_path else None)
 

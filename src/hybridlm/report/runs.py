@@ -12,6 +12,8 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from hybridlm.analysis.runner import COLUMNS, THRESHOLD
@@ -21,7 +23,7 @@ SURVEY_STEMS = ("adjoint", "euler", "memorise", "neural_ode")
 
 
 # ---------------------------------------------------------------------- detection
-def detect(path: str | Path) -> str:
+def detect(path: str | os.PathLike) -> str:
     """'arc' (a trace file), 'consensus' or 'survey' (a run folder, or a folder of such runs)."""
     p = Path(path)
     if p.is_file():
@@ -54,35 +56,44 @@ def survey_files(folder: Path) -> list[Path]:
 
 
 # ---------------------------------------------------------------------- consensus
-def consensus_view(folder: str | Path) -> dict:
+@dataclass
+class _Case:
+    """One consensus run as read back: its name, its table's columns and its summary."""
+
+    name: str
+    rows: dict[str, list[float]]  # consensus.csv, column by column
+    summary: dict  # summary.json ({} where the run has none)
+
+
+def consensus_view(folder: str | os.PathLike) -> dict:
     """E(k) of every case against the layer-step, ± one standard deviation, pass boundaries marked."""
     folder = Path(folder)
-    cases = []
+    cases: list[_Case] = []
     for d in consensus_cases(folder):
         rows = _read_csv(d / "consensus.csv")
         summary = _read_json(d / "summary.json") if (d / "summary.json").is_file() else {}
         name = d.name if d != folder else (summary.get("config", {}).get("model") or d.name)
-        cases.append({"name": name, "rows": rows, "summary": summary})
+        cases.append(_Case(name, rows, summary))
     if not cases:
         raise InputError(f"{folder}: no consensus.csv here or in its subfolders")
     series, vlines = [], []
     for case in cases:
-        r = case["rows"]
-        series.append({"name": case["name"], "x": r["layer_step"], "y": r["E_mean"],
+        r = case.rows
+        series.append({"name": case.name, "x": r["layer_step"], "y": r["E_mean"],
                        "lo": [m - s for m, s in zip(r["E_mean"], r["E_std"])],
                        "hi": [m + s for m, s in zip(r["E_mean"], r["E_std"])],
                        "labels": [f"pass {p}, layer {layer}; E std {s:.4g}, min {lo:.4g}, max {hi:.4g}"
                                   for p, layer, s, lo, hi in zip(r["pass"], r["layer"], r["E_std"], r["E_min"], r["E_max"])],
                        "marks": len(r["layer_step"]) <= 400})
-        for k, p, p_next in zip(r["layer_step"], r["pass"], r["pass"][1:] + [None]):
-            if p_next is not None and p_next != p and p > 0:
-                vlines.append({"x": k, "label": f"pass {int(p)}", "case": case["name"]})
+        for k, p, p_next in zip(r["layer_step"], r["pass"], r["pass"][1:]):
+            if p_next != p and p > 0:
+                vlines.append({"x": k, "label": f"pass {int(p)}", "case": case.name})
     # one boundary line per layer-step, even where several cases share it
     vlines = list({v["x"]: v for v in vlines}.values())
     chart = {"id": "consensus-chart", "title": "consensus E(k) against layer-step k (mean over prompts, band ± 1 std)",
              "xlabel": "layer-step k", "ylabel": "E(k)", "ymin0": True, "logToggle": True, "series": series,
              "vlines": vlines, "hlines": [{"y": THRESHOLD, "label": f"E = {THRESHOLD}"}]}
-    table = [{"case": c["name"], **_case_row(c["summary"])} for c in cases]
+    table = [{"case": c.name, **_case_row(c.summary)} for c in cases]
     return {"kind": "consensus", "title": f"consensus · {folder.name}", "charts": [chart], "tables": [
         {"title": "cases", "rows": table}]}
 
@@ -118,7 +129,7 @@ def _read_json(path: Path):
 
 
 # ---------------------------------------------------------------------- survey
-def survey_view(folder: str | Path) -> dict:
+def survey_view(folder: str | os.PathLike) -> dict:
     folder = Path(folder)
     files = survey_files(folder)
     if not files:
