@@ -45,6 +45,7 @@ def read_text(path: str | os.PathLike, what: str, *, max_bytes: int) -> str:
 
 
 OWN_STREAMS = ("/dev/stdout", "/dev/stderr", "/dev/fd/", "/proc/self/fd/")
+LINK_REFUSAL = "{path}: a symbolic link; an output is not written through a link (give the target's path)"
 
 
 def writable(path: str | os.PathLike) -> str | None:
@@ -52,6 +53,8 @@ def writable(path: str | os.PathLike) -> str | None:
     os.access says yes to /proc); a file this check creates is removed again."""
     path = Path(path).expanduser()
     parent = path.parent
+    if path.is_symlink() and not str(path).startswith(OWN_STREAMS):  # (before anything opens it: not its target)
+        return LINK_REFUSAL.format(path=path)
     if path.is_dir():
         return f"{path} is a directory, expected a file path"
     if not parent.exists():
@@ -107,8 +110,7 @@ def output_flags(path: str | os.PathLike) -> int:
 def refusal(path: str | os.PathLike, what: str, exc: OSError) -> InputError:
     """The one line for an output that cannot be opened."""
     if exc.errno == errno.ELOOP:
-        return InputError(f"{what} {path}: a symbolic link; an output is not written through a link (give the "
-                          "target's path)")
+        return InputError(f"{what} {LINK_REFUSAL.format(path=path)}")
     return InputError(f"{what} {path}: cannot be written ({exc.strerror or exc})")
 
 
