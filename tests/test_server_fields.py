@@ -156,6 +156,10 @@ def test_structured_output_fields_constrain_the_reply(served, field, value, chec
         assert check(text), (field, path, text)
 
 
+PLACE = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+         "additionalProperties": False}
+
+
 @pytest.mark.parametrize("field", ["json_schema", "guided_json"])
 def test_json_schema_fields_validate(served, field):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
@@ -164,6 +168,29 @@ def test_json_schema_fields_validate(served, field):
                                 "max_tokens": 40, "temperature": 0, field: schema})
     assert status == 200, out
     jsonschema.validate(json.loads(out["choices"][0]["message"]["content"]), schema)
+
+
+@pytest.mark.parametrize("fmt", [{"type": "json_schema", "json_schema": {"name": "place", "schema": PLACE}},
+                                 {"type": "json_object", "schema": PLACE}])  # (llama.cpp's json_object with a schema)
+def test_response_format_constrains_a_completion(served, fmt):
+    """vLLM takes response_format on /v1/completions too: the text is one JSON value of the schema."""
+    status, out = post(served, {"model": MODEL, "prompt": "The Eiffel tower is in", "max_tokens": 40, "temperature": 0,
+                                "response_format": fmt}, "/v1/completions")
+    assert status == 200, out
+    jsonschema.validate(json.loads(out["choices"][0]["text"]), PLACE)
+    status, out = post(served, {"model": MODEL, "prompt": "x", "response_format": fmt, "guided_regex": "a"},
+                       "/v1/completions")
+    assert status == 400 and out["error"]["param"] == "guided_regex", out
+
+
+def test_max_completion_tokens_is_max_tokens_on_a_completion(served):
+    """llama.cpp reads max_completion_tokens as n_predict on a completion too: the same text as max_tokens."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "temperature": 0}
+    _, alias = post(served, {**body, "max_completion_tokens": 7}, "/v1/completions")
+    _, plain = post(served, {**body, "max_tokens": 7}, "/v1/completions")
+    assert alias["choices"][0]["text"] == plain["choices"][0]["text"] and alias["usage"]["completion_tokens"] == 7
+    status, out = post(served, {**body, "max_tokens": 5, "max_completion_tokens": 7}, "/v1/completions")
+    assert status == 400 and out["error"]["param"] == "max_completion_tokens", out
 
 
 @pytest.mark.parametrize("body,param", [
