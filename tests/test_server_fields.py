@@ -1,8 +1,10 @@
-"""Every field of llama.cpp's and vLLM's chat request is honoured or refused with a 400 naming it;
-the honoured sampling fields against transformers' logits processors; the table in docs/server.md.
+"""Every field of llama.cpp's and vLLM's chat and completion requests is honoured or refused with a
+400 naming it; the honoured sampling fields against transformers' logits processors; the table in
+docs/server.md.
 
-References: the field lists of llama.cpp's server (tools/server/server-schema.cpp, server-common.cpp)
-and vLLM's ChatCompletionRequest (vllm/entrypoints/openai/protocol.py); transformers'
+References: the field lists of llama.cpp's server (tools/server/server-schema.cpp, server-common.cpp,
+server-context.cpp) and vLLM's ChatCompletionRequest and CompletionRequest (vllm/entrypoints/openai/
+protocol.py, later chat_completion/protocol.py and completion/protocol.py); transformers'
 RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, MinPLogitsWarper on a whole-string forward
 pass; jsonschema and Python's re for the structured-output fields.
 """
