@@ -649,10 +649,18 @@ def test_metrics_count_tokens_batches_and_prefix_reuse(served, client):
     (["--api-key", " "], "api-key"),
     (["--tools", "teleport"], "teleport"),
     (["--context-policy", "sideways"], "sideways"),
+    (["--threads", "0"], "threads"),
+    (["--served-model-name", "a,,b"], "served-model-name"),
 ])
 def test_serve_rejects_bad_options_in_one_line(args, fragment):
     r = CliRunner().invoke(cli, ["serve", "--model", "no-such-model", *args])
     assert r.exit_code == 2 and fragment in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_serve_device_cuda_without_cuda_is_one_line():
+    r = CliRunner().invoke(cli, ["serve", "--model", "no-such-model", "--device", "cuda"])
+    assert r.exit_code == 2 and "no CUDA device" in r.output and len(r.output.strip().splitlines()) == 1, r.output
 
 
 def test_serve_names_a_busy_port_before_loading():
@@ -667,7 +675,7 @@ def test_serve_names_a_busy_port_before_loading():
 def test_serve_command_answers_the_openai_client():
     env = {**os.environ, "HYBRIDLM_API_KEY": "k"}
     p = subprocess.Popen([sys.executable, "-m", "hybridlm.cli", "serve", "--port", "0", "--max-batch", "4",
-                          "--log-level", "warning"], stderr=subprocess.PIPE, text=True, env=env)
+                          "--log-level", "warning", "--threads", "1"], stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = ""
         deadline = time.monotonic() + 120
@@ -675,6 +683,7 @@ def test_serve_command_answers_the_openai_client():
             line = p.stderr.readline()
             assert line or p.poll() is None, "the server exited"
         url = re.search(r"(http://127\.0\.0\.1:\d+/v1)", line).group(1)
+        assert ", cpu, 1 thread)" in line, line  # --threads: torch's own count of intra-op threads in the server
         c = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
         r = c.chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=3)
         assert r.choices[0].message.content is not None

@@ -1,8 +1,10 @@
-"""Every field of llama.cpp's and vLLM's chat request is honoured or refused with a 400 naming it;
-the honoured sampling fields against transformers' logits processors; the table in docs/server.md.
+"""Every field of llama.cpp's and vLLM's chat and completion requests is honoured or refused with a
+400 naming it; the honoured sampling fields against transformers' logits processors; the table in
+docs/server.md.
 
-References: the field lists of llama.cpp's server (tools/server/server-schema.cpp, server-common.cpp)
-and vLLM's ChatCompletionRequest (vllm/entrypoints/openai/protocol.py); transformers'
+References: the field lists of llama.cpp's server (tools/server/server-schema.cpp, server-common.cpp,
+server-context.cpp) and vLLM's ChatCompletionRequest and CompletionRequest (vllm/entrypoints/openai/
+protocol.py, later chat_completion/protocol.py and completion/protocol.py); transformers'
 RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, MinPLogitsWarper on a whole-string forward
 pass; jsonschema and Python's re for the structured-output fields.
 """
@@ -44,7 +46,12 @@ LLAMA_CPP = {
     "add_generation_prompt": True, "response_format": {"type": "json_object"}, "max_tokens": 3, "logprobs": True,
     "top_logprobs": 2, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
     "tool_choice": "none", "parallel_tool_calls": False, "reasoning_effort": "low", "n": 1,
+    "reasoning_budget_end_tag": "</think>", "grammar_type": "tool_calls", "thinking_budget_tokens": 10,
+    "max_completion_tokens": 3,  # (an alias of n_predict)
 }
+# the fields llama.cpp reads only from a chat request (its chat parser); the rest make its completion request too
+LLAMA_CPP_CHAT_ONLY = {"tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "add_generation_prompt",
+                       "reasoning_effort", "response_format", "top_logprobs", "thinking_budget_tokens"}
 VLLM = {
     "frequency_penalty": 0.1, "logit_bias": {"11": 1.0}, "logprobs": True, "top_logprobs": 2, "max_tokens": 3,
     "max_completion_tokens": 3, "n": 1, "presence_penalty": 0.1, "response_format": {"type": "json_object"},
@@ -62,8 +69,24 @@ VLLM = {
     "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ", "structured_outputs": {"choice": ["a"]},
     "priority": 1, "request_id": "r1", "logits_processors": ["x"], "return_tokens_as_token_ids": True,
     "return_token_ids": True, "cache_salt": "s", "kv_transfer_params": {}, "vllm_xargs": {"a": 1},
-    "thinking_token_budget": 10,
+    "thinking_token_budget": 10, "include_reasoning": False, "max_repetition_pattern_size": 4,
+    "min_repetition_pattern_size": 2, "repetition_min_count": 3,
 }
+# vLLM's CompletionRequest (its guided_* fields as older releases had them there too)
+VLLM_COMPLETION = {
+    **{k: VLLM[k] for k in (
+        "echo", "frequency_penalty", "logit_bias", "max_tokens", "n", "presence_penalty", "seed", "stop", "stream",
+        "stream_options", "temperature", "top_p", "user", "use_beam_search", "top_k", "min_p", "repetition_penalty",
+        "length_penalty", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
+        "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens", "allowed_token_ids",
+        "prompt_logprobs", "add_special_tokens", "response_format", "structured_outputs", "guided_json", "guided_regex",
+        "guided_choice", "guided_grammar", "priority", "request_id", "logits_processors", "return_tokens_as_token_ids",
+        "return_token_ids", "cache_salt", "kv_transfer_params", "vllm_xargs", "max_repetition_pattern_size",
+        "min_repetition_pattern_size", "repetition_min_count")},
+    "logprobs": 2, "suffix": "\n", "prompt_embeds": "AAAAAA==",  # OpenAI's completion: logprobs is a count
+    "best_of": 2,  # (OpenAI's; older vLLM releases)
+}
+COMPLETION = {**{k: v for k, v in LLAMA_CPP.items() if k not in LLAMA_CPP_CHAT_ONLY}, "logprobs": 2, **VLLM_COMPLETION}
 NEEDS = {"stream_options": {"stream": True}, "top_logprobs": {"logprobs": True}}  # what a field is valid with
 
 
@@ -83,24 +106,37 @@ def post(url: str, body: dict, path: str = "/v1/chat/completions") -> tuple[int,
     return r.status, json.loads(data) if r.headers.get("content-type", "").startswith("application/json") else data
 
 
-def documented() -> dict[str, str]:
-    """The table of docs/server.md: field → honoured | refused | no effect."""
-    rows = re.findall(r"^\| `([a-z_]+)` \| [^|]+ \| (honoured|refused|no effect) \|", DOCS.read_text(), re.M)
-    return dict(rows)
+def documented(column: int) -> dict[str, str]:
+    """A column of the table of docs/server.md (0: chat, 1: completions): field → honoured | refused | no effect,
+    the fields that are no part of that endpoint's request ("–") left out."""
+    outcome = "(honoured|refused|no effect|–)"
+    rows = re.findall(rf"^\| `([a-z_]+)` \| [^|]+ \| {outcome} \| {outcome} \|", DOCS.read_text(), re.M)
+    return {row[0]: row[1 + column] for row in rows if row[1 + column] != "–"}
 
 
-def test_every_llama_cpp_and_vllm_field_is_honoured_or_refused(served):
+def outcomes(url: str, fields: dict, path: str, base: dict) -> dict[str, str]:
+    """What the endpoint does with each field sent alone: honoured (200), refused (400 naming it), or no effect."""
     outcome = {}
-    for field, value in {**LLAMA_CPP, **VLLM}.items():
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Yes or no?"}], "max_tokens": 3,
-                **NEEDS.get(field, {}), field: value}
-        status, out = post(served, body)
+    for field, value in fields.items():
+        body = {"model": MODEL, **base, "max_tokens": 3, **NEEDS.get(field, {}), field: value}
+        status, out = post(url, body, path)
         assert status in (200, 400), (field, status, out)
         if status == 400:
             assert isinstance(out, dict) and out["error"]["param"] == field, (field, out)
             assert out["error"]["type"] == "invalid_request_error" and "\n" not in out["error"]["message"]
         outcome[field] = "refused" if status == 400 else "no effect" if field == "user" else "honoured"
-    assert outcome == documented()  # the table says what the server does, field by field
+    return outcome
+
+
+def test_every_llama_cpp_and_vllm_field_is_honoured_or_refused(served):
+    chat = outcomes(served, {**LLAMA_CPP, **VLLM}, "/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": "Yes or no?"}]})
+    assert chat == documented(0)  # the table says what the server does, field by field
+
+
+def test_every_field_of_a_completion_request_is_honoured_or_refused(served):
+    completion = outcomes(served, COMPLETION, "/v1/completions", {"prompt": "Yes or no?"})
+    assert completion == documented(1)
 
 
 @pytest.mark.parametrize("field,value,check", [
@@ -122,6 +158,10 @@ def test_structured_output_fields_constrain_the_reply(served, field, value, chec
         assert check(text), (field, path, text)
 
 
+PLACE = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+         "additionalProperties": False}
+
+
 @pytest.mark.parametrize("field", ["json_schema", "guided_json"])
 def test_json_schema_fields_validate(served, field):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
@@ -130,6 +170,29 @@ def test_json_schema_fields_validate(served, field):
                                 "max_tokens": 40, "temperature": 0, field: schema})
     assert status == 200, out
     jsonschema.validate(json.loads(out["choices"][0]["message"]["content"]), schema)
+
+
+@pytest.mark.parametrize("fmt", [{"type": "json_schema", "json_schema": {"name": "place", "schema": PLACE}},
+                                 {"type": "json_object", "schema": PLACE}])  # (llama.cpp's json_object with a schema)
+def test_response_format_constrains_a_completion(served, fmt):
+    """vLLM takes response_format on /v1/completions too: the text is one JSON value of the schema."""
+    status, out = post(served, {"model": MODEL, "prompt": "The Eiffel tower is in", "max_tokens": 40, "temperature": 0,
+                                "response_format": fmt}, "/v1/completions")
+    assert status == 200, out
+    jsonschema.validate(json.loads(out["choices"][0]["text"]), PLACE)
+    status, out = post(served, {"model": MODEL, "prompt": "x", "response_format": fmt, "guided_regex": "a"},
+                       "/v1/completions")
+    assert status == 400 and out["error"]["param"] == "guided_regex", out
+
+
+def test_max_completion_tokens_is_max_tokens_on_a_completion(served):
+    """llama.cpp reads max_completion_tokens as n_predict on a completion too: the same text as max_tokens."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "temperature": 0}
+    _, alias = post(served, {**body, "max_completion_tokens": 7}, "/v1/completions")
+    _, plain = post(served, {**body, "max_tokens": 7}, "/v1/completions")
+    assert alias["choices"][0]["text"] == plain["choices"][0]["text"] and alias["usage"]["completion_tokens"] == 7
+    status, out = post(served, {**body, "max_tokens": 5, "max_completion_tokens": 7}, "/v1/completions")
+    assert status == 400 and out["error"]["param"] == "max_completion_tokens", out
 
 
 @pytest.mark.parametrize("body,param", [

@@ -104,7 +104,7 @@ def serve(model_spec, names, host, port, tools, kb, api_key, max_batch, max_queu
             model = with_chat_template(load_model(model_spec, precision=precision, device=where), chat_template)
             use_tool_call_parser(model, tool_call_parser)
             drop_without_grammar(reg, model)
-            loaded["precision"] = model.precision
+            loaded["precision"], loaded["device"], loaded["threads"] = model.precision, where, torch.get_num_threads()
             return Service(model, model_id=tuple(served) or (name,), tools=reg if reg.tools else None,
                            max_batch=max_batch, max_queue=max_queue, prefix_cache_mb=prefix_cache_mb,
                            continuation_mb=continuation_mb, context=context_policy, max_jumps=max_jumps,
@@ -113,7 +113,9 @@ def serve(model_spec, names, host, port, tools, kb, api_key, max_batch, max_queu
 
         def ready(bound_port: int) -> None:
             offered = ", ".join(t.name for t in reg) or "none"
-            click.echo(f"[hybridlm serve: {name} ({loaded['precision']}) at http://{host}:{bound_port}/v1; "
+            threads_used = f"{loaded['threads']} thread{'s' if loaded['threads'] != 1 else ''}"
+            click.echo(f"[hybridlm serve: {name} ({loaded['precision']}, {loaded['device']}, {threads_used}) at "
+                       f"http://{host}:{bound_port}/v1; "
                        f"server-side tools: {offered}]", err=True)
             if reg.tools and api_key is None and not _loopback(host):
                 click.echo(f"warning: server-side tools ({offered}) run for anyone who reaches {host}:{bound_port}: "

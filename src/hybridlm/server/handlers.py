@@ -29,7 +29,7 @@ from hybridlm.server import chat as C
 from hybridlm.server.guard import check_prompt_size
 from hybridlm.server.service import Service
 from hybridlm.server.wire import (
-    STRUCTURED, APIError, ChatBody, CompletionBody, invalid, prompt_list, stop_list, structured,
+    STRUCTURED, APIError, ChatBody, CompletionBody, invalid, prompt_list, response_format_schema, stop_list, structured,
 )
 from hybridlm.turns import (
     TAGGED_JSON, CallCodec, Conversation, Offer, Protocol, View, codec_for, render, tool_call_constraint, turns_of,
@@ -199,12 +199,7 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
         raise invalid(f"tool_choice names {choice!r}, which is not among the tools {names[:8]}", param="tool_choice")
     if not offered:
         choice = "none"
-    schema: dict | bool | None = None
-    rf = body.response_format
-    if rf is not None and rf.type == "json_object":
-        schema = rf.schema_ if rf.schema_ is not None else {"type": "object"}
-    elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
-        schema = rf.json_schema.schema_
+    schema = response_format_schema(body.response_format)
     field, asked_schema, grammar = output_grammar(tok, body)
     if (asked_schema is not None or grammar is not None) and schema is not None:
         raise invalid(f"{field} and response_format each constrain the reply; give one", param=field)
@@ -304,13 +299,25 @@ def prepare_completion(service: Service, body: CompletionBody) -> Prepared:
     lengths, texts = [], []
     stop_ids = default_stops(model)
     field, schema, grammar = output_grammar(tok, body)
+    asked_format = response_format_schema(body.response_format)
+    if asked_format is not None:
+        if field:
+            raise invalid(f"{field} and response_format each constrain the reply; give one", param=field)
+        field, schema = "response_format", asked_format
     if schema is not None:
-        grammar = library.json_grammar(schema)
-    asked = body.max_tokens
-    if body.n_predict is not None:
-        if "max_tokens" in body.model_fields_set and body.n_predict != body.max_tokens:
-            raise invalid("max_tokens and n_predict (llama.cpp's name) differ; give one", param="n_predict")
-        asked = None if body.n_predict < 0 else body.n_predict
+        try:
+            grammar = library.json_grammar(schema)
+        except (InputError, ValueError) as exc:
+            raise invalid(f"{field}: {exc}", param=field) from None
+    # max_tokens (default 16) and llama.cpp's aliases of it, n_predict (−1: up to the context) and max_completion_tokens
+    given = {name: value for name, value in (
+        ("max_tokens", body.max_tokens if "max_tokens" in body.model_fields_set else None),
+        ("max_completion_tokens", body.max_completion_tokens), ("n_predict", body.n_predict)) if value is not None}
+    if len(set(given.values())) > 1:
+        names = list(given)
+        raise invalid(f"{' and '.join(names)} differ; give one (llama.cpp's aliases of max_tokens)", param=names[-1])
+    asked = next(iter(given.values()), body.max_tokens)
+    asked = None if asked is not None and asked < 0 else asked
     for p, prompt in enumerate(prompt_list(body.prompt)):
         if isinstance(prompt, str):
             ids = tok.encode_markup(prompt)
@@ -325,7 +332,8 @@ def prepare_completion(service: Service, body: CompletionBody) -> Prepared:
         budget = _budget(service, len(ids), asked, "max_tokens", prompt="prompt")
         for seed in _seeds(body):
             constraint = None if grammar is None or budget < 1 else \
-                GrammarConstraint(tok, grammar, kind=field, source=getattr(body, field), budget=budget, vocab_size=V)
+                GrammarConstraint(tok, grammar, kind=field, source=schema if schema is not None else getattr(body, field),
+                                  budget=budget, vocab_size=V)
             s = sequence(model, ids, kernel=kernel, max_new_tokens=budget, seed=seed, stop_ids=stop_ids, stop=stops,
                          name=f"{ident}-{len(seqs)}", constraint=constraint)
             s.logprobs = body.logprobs

@@ -147,6 +147,7 @@ class _Sampling(_Body):
     guided_grammar: str | None = None
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None  # (vLLM takes it on completions too)
     n_predict: Int | None = Field(default=None, ge=-1)  # llama.cpp's max_tokens (−1: up to the context)
     cache_prompt: Flag | None = None  # llama.cpp's; the prefix cache never changes the tokens
     # any 64-bit integer, signed or not (llama.cpp's clients send -1); taken modulo 2⁶⁴
@@ -166,7 +167,6 @@ class ChatBody(_Sampling):
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["auto", "required", "none"] | NamedToolChoice | None = None
     parallel_tool_calls: Flag | None = None
-    response_format: ResponseFormat | None = None
     max_tokens: Int | None = Field(default=None, ge=1)
     max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: Flag = False
@@ -178,6 +178,7 @@ class ChatBody(_Sampling):
 class CompletionBody(_Sampling):
     prompt: str | list[str] | list[Int] | list[list[Int]]
     max_tokens: Int | None = Field(default=16, ge=0)
+    max_completion_tokens: Int | None = Field(default=None, ge=0)  # llama.cpp's alias of n_predict here too
     logprobs: Int | None = Field(default=None, ge=0, le=5)
     echo: Flag = False
     suffix: str | None = None
@@ -324,9 +325,6 @@ def parse_chat(raw) -> ChatBody:
             if kind != "object":
                 raise invalid(f"tools[{i}] ({t.function.name}): parameters must be a JSON Schema of type object, "
                               f"got type {json.dumps(kind)[:40]}", param=f"tools[{i}].function.parameters")
-    rf = body.response_format
-    if rf is not None and rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
-        raise invalid("response_format of type json_schema needs json_schema.schema", param="response_format")
     return body
 
 
@@ -403,6 +401,19 @@ def _check_sampling(body: _Sampling) -> None:
     given = [k for k in STRUCTURED if getattr(body, k) is not None]
     if len(given) > 1:
         raise invalid(f"{given[0]} and {given[1]} each constrain the output; give one", param=given[1])
+    rf = body.response_format
+    if rf is not None and rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
+        raise invalid("response_format of type json_schema needs json_schema.schema", param="response_format")
+
+
+def response_format_schema(rf: ResponseFormat | None) -> dict | bool | None:
+    """The JSON Schema a `response_format` asks the reply to follow (json_object: any object, or
+    llama.cpp's `schema`); None for text or none."""
+    if rf is not None and rf.type == "json_object":
+        return rf.schema_ if rf.schema_ is not None else {"type": "object"}
+    if rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
+        return rf.json_schema.schema_
+    return None
 
 
 STRUCTURED = ("grammar", "json_schema", "guided_json", "guided_regex", "guided_grammar", "guided_choice",
