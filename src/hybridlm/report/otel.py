@@ -90,10 +90,10 @@ def arc_spans(events: list[dict], *, epoch_s: float | None = None) -> list:
 def _arc_attributes(view: dict, start: dict, end: dict) -> dict:
     kernel, limits = start.get("kernel") or {}, start.get("limits") or {}
     attrs = {"gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "hybridlm", "gen_ai.provider.name": "hybridlm",
-             "gen_ai.usage.output_tokens": len(view["tokens"]["t"]),
+             "gen_ai.usage.output_tokens": view["totals"]["token_steps"],
              "gen_ai.usage.input_tokens": sum(p["tokens"] for p in view["phases"]
                                               if isinstance(p.get("tokens"), int) and not isinstance(p["tokens"], bool)),
-             "hybridlm.jumps": len(view["jumps"])}
+             "hybridlm.jumps": view["totals"]["jumps"]}
     optional = {"gen_ai.request.model": start.get("model"), "gen_ai.request.seed": start.get("seed"),
                 "gen_ai.request.max_tokens": limits.get("max_token_steps"),
                 "gen_ai.request.temperature": 0.0 if kernel.get("greedy") else kernel.get("temperature"),
