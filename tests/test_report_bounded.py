@@ -95,7 +95,7 @@ def test_a_long_arc_draws_a_named_sample_and_counts_every_event(small_caps, n):
     if len(kept) < n:
         stride = {2: "2nd", 16: "16th", 128: "128th"}[kept[1] - kept[0]]
         assert said == [f"{n:,} token steps: the page draws every {stride} ({len(kept):,}, the last included); "
-                        "the counts, phases and rates above count every one"]
+                        "the counts, phases and rates count every one"]
     else:
         assert said == []
 

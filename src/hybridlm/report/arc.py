@@ -120,7 +120,7 @@ class Thinned:
         if self.stride == 1:
             return None
         return (f"{self.seen:,} {what}: the page draws every {_ordinal(self.stride)} ({len(self.result()):,}, "
-                f"the last included); the counts, phases and rates above count every one")
+                f"the last included); the counts, phases and rates count every one")
 
 
 def _ordinal(n: int) -> str:
