@@ -140,3 +140,28 @@ def test_a_trace_file_is_read_as_a_stream(small_caps, tmp_path):
 def test_a_list_of_events_is_still_accepted(small_caps):
     events = list(arc_events(100))
     assert arc_view(events) == arc_view(iter(events))
+
+
+def plant_events(n: int):
+    """A plant sampled n times over 10 s of plant time (x = plant time), with two commands (u = 1 from 2 s,
+    u = 0 from 6 s), barrier values at the first sample (h = 1, inside the band) and the state leaving the band
+    at 3 s and entering it again at 4.5 s."""
+    yield {"event": "start", "t": 0, "k": 0, "wall_s": 0.0, "task": "hold", "model": "generated", "horizon_s": 10.0}
+    marks = {2.0: {"kind": "command", "commanded": [1.0]}, 3.0: {"kind": "crossing", "direction": "leave"},
+             4.5: {"kind": "crossing", "direction": "enter"}, 6.0: {"kind": "command", "commanded": [0.0]}}
+    for i in range(n):
+        time = 10.0 * i / n
+        yield {"event": "plant", "t": 0, "k": 0, "wall_s": time, "plant_t": time, "state": [time],
+               **({"h": {"band": 1.0}} if i == 0 else {})}
+        for at in [at for at in marks if time <= at < 10.0 * (i + 1) / n]:
+            yield {"event": "plant", "t": 0, "k": 0, "wall_s": at, "plant_t": at, "state": [at], **marks[at]}
+    yield {"event": "end", "t": 0, "k": 0, "wall_s": 10.0, "stop_reason": "token_budget", "answer": ""}
+
+
+@pytest.mark.parametrize("n", [40, 5000])
+def test_a_long_plant_run_keeps_its_commands_and_crossings(small_caps, n):
+    plant = arc_view(plant_events(n))["plant"]["plants"][0]
+    assert plant["held"]["time"] == [2.0, 6.0] and plant["held"]["u"] == {"u[0]": [1.0, 0.0]}
+    assert plant["safe"]["in_band_s"] == pytest.approx(10.0 - 1.5) and plant["safe"]["left"] == 1
+    assert len(plant["time"]) <= small_caps + 1 + 4  # the sample, its last, and the four marks
+    assert plant["time"] == sorted(plant["time"]) and plant["time"][0] == 0.0

@@ -142,7 +142,11 @@ class _ArcFold:
         self.jumps = Thinned(MAX_ROWS)
         self.controls = Thinned(MAX_ROWS)
         self.marks = Thinned(MAX_ROWS)
-        self.plant: list[dict] = []
+        # plant events: the commands, the crossings and the first with barrier values kept exactly (the held
+        # input and the time in band are drawn from them), the other samples thinned; each with its position
+        self.plant_kept: list[tuple[int, dict]] = []
+        self.plant_samples = Thinned(MAX_POINTS)
+        self.plant_h = False
         self.unknown: Counter = Counter()
         self.examples: dict[str, list[str]] = {}
         self.extra: Counter = Counter()
@@ -174,7 +178,7 @@ class _ArcFold:
             self.marks.add({"event": kind, "t": _num(e.get("t")), "k": _num(e.get("k")), "wall_s": _num(e.get("wall_s")),
                             "fields": _strip(e)})
         elif kind == "plant":
-            self.plant.append(e)
+            self._plant(e)
         if isinstance(e.get("t"), (int, float)) and isinstance(e.get("wall_s"), (int, float)):
             self.wall_curve.add([_num(e["t"]), _num(e["wall_s"]), self.wall_phase])
         if kind not in KNOWN_FIELDS:
@@ -205,6 +209,15 @@ class _ArcFold:
                 e.get("token"), next((e[f] for f in ("p", "prob") if isinstance(e.get(f), (int, float))), model),
                 kernel, e.get("entropy") if isinstance(e.get("entropy"), (int, float)) else None, extra or None)
 
+    def _plant(self, e: dict) -> None:
+        at = len(self.plant_kept) + self.plant_samples.seen
+        first_h = not self.plant_h and isinstance(e.get("h"), dict)
+        if first_h or e.get("kind") in ("command", "crossing"):
+            self.plant_h = self.plant_h or first_h
+            self.plant_kept.append((at, e))
+        else:
+            self.plant_samples.add((at, e))
+
     def _unknown(self, e: dict) -> None:
         name = e["event"]
         if name not in self.unknown and len(self.unknown) >= MAX_ROWS:
@@ -228,8 +241,10 @@ class _ArcFold:
         optional = ("p", "kernel_p", "entropy", "extra")  # None where no kept token step recorded them
         tokens = {name: None if name in optional and all(v is None for v in col) else col for name, col in cols.items()}
         jumps = self.jumps.result()
+        plant = [e for _, e in sorted(self.plant_kept + self.plant_samples.result(), key=lambda row: row[0])]
         sampled = [self.tokens.note("token steps"), self.wall_curve.note("points of the wall clock"),
-                   self.jumps.note("jumps"), self.controls.note("control actions"), self.marks.note("engine events")]
+                   self.jumps.note("jumps"), self.controls.note("control actions"), self.marks.note("engine events"),
+                   self.plant_samples.note("plant samples (the commands and boundary crossings are all drawn)")]
         return {
             "kind": "arc",
             "start": self.start,
@@ -241,7 +256,7 @@ class _ArcFold:
             "controllers": (self.start or {}).get("control") or [],
             "wall_curve": self.wall_curve.result(),
             "marks": self.marks.result(),
-            "plant": _plant(self.plant, jumps, self.start),
+            "plant": _plant(plant, jumps, self.start),
             "rates": format_rates(self.rates.result()) if self.rates is not None else None,
             "states": _states(states, self.tokens.seen, self.tokens.indices()),
             "unknown": [{"event": name, "count": n, "examples": self.examples[name]} for name, n in self.unknown.items()],
