@@ -86,6 +86,74 @@ class Event:
         return self.data.get(key, default)
 
 
+class RateFold:
+    """`HybridArc.rates` as a fold over the events in order, so that a reader of a long trace need not hold them:
+
+    - the wall seconds of q_G: its phases (prefill, decode, constrained), each from its phase event to the
+      next phase event or to the end of its run (an `end` event, or any event with stage "end", as a
+      supervisor's decision has), so the time a supervised model waits between decisions is in no mode;
+    - token steps t per second of q_G, and layer steps L · t per second of q_G (L layers from `layers` or
+      the start event's `layers`);
+    - q_G split into prefill (its prefill phases, with the tokens they took in) and decode (the rest,
+      where the token steps are taken): decode steps/s = t / decode seconds;
+    - jumps k per token step, and wall seconds per visit of q_E (the jumps' durations, as `wall_in`).
+
+    A value whose denominator is zero is None."""
+
+    def __init__(self, layers: int | None = None) -> None:
+        self.layers = layers
+        self.start: Event | None = None
+        self.last: Event | None = None
+        self.steps = self.jumps = self.prefill_tokens = 0
+        self.q_G = self.q_E = self.prefill_s = 0.0
+        self.opened: Event | None = None  # the phase event of the interval in progress
+
+    def add(self, e: Event) -> None:
+        if self.start is None and e.kind == "start":
+            self.start = e
+        self.steps += e.kind == "token"
+        if e.kind == "jump":
+            self.jumps += 1
+            self.q_E += float(e.get("duration_s", 0.0))
+        if self.opened is not None and (e.kind in ("phase", "end") or e.get("stage") == "end"):
+            self.q_G, self.prefill_s, self.prefill_tokens = self._closed(self.opened, e.wall_s)
+            self.opened = None
+        if e.kind == "phase":
+            self.opened = e
+        self.last = e
+
+    def _closed(self, opened: Event, wall_s: float) -> tuple[float, float, int]:
+        """(q_G seconds, prefill seconds, prefill tokens) with the interval `opened` closed at `wall_s`."""
+        q_G, prefill_s, prefill_tokens = self.q_G, self.prefill_s, self.prefill_tokens
+        seconds = max(wall_s - opened.wall_s, 0.0)
+        if opened.get("mode") != Mode.EXTERNAL.value and opened.get("phase") != "external":
+            q_G += seconds
+        if opened.get("phase") == "prefill":
+            prefill_s += seconds
+            tokens = opened.get("tokens")
+            prefill_tokens += tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0
+        return q_G, prefill_s, prefill_tokens
+
+    def result(self) -> dict:
+        """The table of the events so far (an interval in progress ends at the last event)."""
+        def ratio(a, b):
+            return a / b if b else None
+
+        q_G, prefill_s, prefill_tokens = self.q_G, self.prefill_s, self.prefill_tokens
+        if self.opened is not None and self.last is not None:
+            q_G, prefill_s, prefill_tokens = self._closed(self.opened, self.last.wall_s)
+        steps, jumps, q_E = self.steps, self.jumps, self.q_E
+        L = self.layers if self.layers is not None else (self.start.get("layers") if self.start is not None else None)
+        L = L if isinstance(L, int) and not isinstance(L, bool) and L > 0 else None
+        decode_s = max(q_G - prefill_s, 0.0)
+        return {"token_steps": steps, "jumps": jumps, "layers": L, "wall_q_G_s": q_G, "wall_q_E_s": q_E,
+                "token_steps_per_s": ratio(steps, q_G), "layer_steps_per_s": ratio(L * steps, q_G) if L else None,
+                "prefill_s": prefill_s, "prefill_tokens": prefill_tokens,
+                "prefill_tokens_per_s": ratio(prefill_tokens, prefill_s), "decode_s": decode_s,
+                "decode_steps_per_s": ratio(steps, decode_s), "jumps_per_token_step": ratio(jumps, steps),
+                "wall_s_per_q_E_visit": ratio(q_E, jumps)}
+
+
 def format_rates(r: dict) -> str:
     """The rates table (`HybridArc.rates`) as one line of text."""
     def num(v, unit="", places=2):
@@ -164,49 +232,11 @@ class HybridArc:
         return max(0.0, end - external)
 
     def rates(self, layers: int | None = None) -> dict:
-        """The arc's clocks against each other (the multi-rate table):
-
-        - the wall seconds of q_G: its phases (prefill, decode, constrained), each from its phase event to the
-          next phase event or to the end of its run (an `end` event, or any event with stage "end", as a
-          supervisor's decision has), so the time a supervised model waits between decisions is in no mode;
-        - token steps t per second of q_G, and layer steps L · t per second of q_G (L layers from `layers` or
-          the start event's `layers`);
-        - q_G split into prefill (its prefill phases, with the tokens they took in) and decode (the rest,
-          where the token steps are taken): decode steps/s = t / decode seconds;
-        - jumps k per token step, and wall seconds per visit of q_E (the jumps' durations, as `wall_in`).
-
-        A value whose denominator is zero is None."""
-        def ratio(a, b):
-            return a / b if b else None
-
-        start = next((e for e in self.events if e.kind == "start"), None)
-        L = layers if layers is not None else (start.get("layers") if start is not None else None)
-        L = L if isinstance(L, int) and not isinstance(L, bool) and L > 0 else None
-        steps, jumps = len(self.of("token")), len(self.of("jump"))
-        q_G = prefill_s = 0.0
-        prefill_tokens = 0
-        opened = None  # the phase event of the interval in progress
-        for e in [*self.events, None]:
-            closes = e is None or e.kind in ("phase", "end") or e.get("stage") == "end"
-            if opened is not None and closes:
-                seconds = max((e if e is not None else self.events[-1]).wall_s - opened.wall_s, 0.0)
-                if opened.get("mode") != Mode.EXTERNAL.value and opened.get("phase") != "external":
-                    q_G += seconds
-                if opened.get("phase") == "prefill":
-                    prefill_s += seconds
-                    tokens = opened.get("tokens")
-                    prefill_tokens += tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0
-                opened = None
-            if e is not None and e.kind == "phase":
-                opened = e
-        q_E = self.wall_in(Mode.EXTERNAL)
-        decode_s = max(q_G - prefill_s, 0.0)
-        return {"token_steps": steps, "jumps": jumps, "layers": L, "wall_q_G_s": q_G, "wall_q_E_s": q_E,
-                "token_steps_per_s": ratio(steps, q_G), "layer_steps_per_s": ratio(L * steps, q_G) if L else None,
-                "prefill_s": prefill_s, "prefill_tokens": prefill_tokens,
-                "prefill_tokens_per_s": ratio(prefill_tokens, prefill_s), "decode_s": decode_s,
-                "decode_steps_per_s": ratio(steps, decode_s), "jumps_per_token_step": ratio(jumps, steps),
-                "wall_s_per_q_E_visit": ratio(q_E, jumps)}
+        """The arc's clocks against each other (the multi-rate table): see `RateFold`."""
+        fold = RateFold(layers)
+        for e in self.events:
+            fold.add(e)
+        return fold.result()
 
     # ------------------------------------------------------------------ files
     def lines(self) -> Iterator[str]:

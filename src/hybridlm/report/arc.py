@@ -15,11 +15,12 @@ import json
 import math
 import os
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
-from hybridlm.engine.arc import HybridArc, format_rates, token_logprobs
+from hybridlm.engine.arc import Event, RateFold, format_rates, token_logprobs
 from hybridlm.errors import InputError
 
 # The fields each known event is drawn from; any other field is listed as unknown.
@@ -39,6 +40,11 @@ KNOWN_FIELDS = {
 }
 PLANT_TIME = ("plant_t", "plant_time", "time")
 EXAMPLES = 3  # raw lines shown per unknown event kind
+# What the page draws of a long trace (a browser cannot show millions of points anyway): up to MAX_POINTS token
+# steps and wall-clock points, MAX_ROWS rows of each table; beyond, a uniform sample that the page names.
+MAX_POINTS = 20_000
+MAX_ROWS = 2_000
+TOKEN_COLUMNS = ("t", "k", "wall", "phase", "text", "id", "p", "kernel_p", "entropy", "extra")
 
 
 def _finite(value) -> float | None:
@@ -67,94 +73,203 @@ def _clean(value):
     return str(value)
 
 
-def arc_view(events: list[dict], states=None) -> dict:
-    """The data of an arc report: see the module docstring. `states` is an array [token steps, d]."""
-    if not isinstance(events, list) or not all(isinstance(e, dict) and "event" in e for e in events):
+def arc_view(events: Iterable[dict], states=None) -> dict:
+    """The data of an arc report: see the module docstring. `events` may be a stream (`iter_trace`): it is read
+    once, and what is kept of it is bounded by what the page draws (`Thinned`), not by the trace's length.
+    `states` is an array [token steps, d]."""
+    if isinstance(events, (str, bytes, dict)) or not isinstance(events, Iterable):
         raise InputError("an arc report needs a list of trace events (dicts with an 'event' field)")
-    start = next((e for e in events if e["event"] == "start"), None)
-    end = next((e for e in reversed(events) if e["event"] == "end"), None)
-    problems = []
-    if start is None:
-        problems.append("the trace has no start event: task, model and limits are unknown")
-    if end is None:
-        problems.append("the trace has no end event: the run did not finish (stopped or killed)")
-    view = {
-        "kind": "arc",
-        "start": start,
-        "end": end,
-        "phases": _phases(events),
-        "tokens": _tokens(events),
-        "jumps": [_jump(e) for e in events if e["event"] == "jump"],
-        "controls": [{**_strip(e), "t": _num(e.get("t")), "k": _num(e.get("k"))} for e in events if e["event"] == "control"],
-        "controllers": (start or {}).get("control") or [],
-        "wall_curve": _wall_curve(events),
-        "marks": [{"event": e["event"], "t": _num(e.get("t")), "k": _num(e.get("k")), "wall_s": _num(e.get("wall_s")),
-                   "fields": _strip(e)} for e in events if e["event"] in ("batch", "context")],
-        "plant": _plant(events, start),
-        "rates": _rates(events),
-        "states": _states(states, sum(e["event"] == "token" for e in events)),
-        "unknown": _unknown(events),
-        "extra_fields": _extra_fields(events),
-        "problems": problems,
-    }
-    return _clean(view)
+    fold = _ArcFold()
+    for e in events:
+        if not isinstance(e, dict) or "event" not in e:
+            raise InputError("an arc report needs a list of trace events (dicts with an 'event' field)")
+        fold.add(e)
+    return _clean(fold.view(states))
 
 
-def _rates(events: list[dict]) -> str | None:
-    """The arc's rates table as text (`HybridArc.rates`), or None where the events' clocks are not numbers."""
-    try:
-        return format_rates(HybridArc.from_events(events).rates())
-    except (TypeError, ValueError, OverflowError):
-        return None
+class Thinned:
+    """A uniform sample of a stream of unknown length in memory bounded by `cap`: item i is kept while i is a
+    multiple of the stride, and the stride doubles (every other kept item dropped) whenever more than `cap`
+    are kept. The last item is always added at the end, so a curve reaches its true end."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.stride, self.seen = cap, 1, 0
+        self.items: list = []
+        self.last = None
+
+    def add(self, item) -> None:
+        if self.seen % self.stride == 0:
+            self.items.append(item)
+            if len(self.items) > self.cap:
+                del self.items[1::2]
+                self.stride *= 2
+        self.seen += 1
+        self.last = item
+
+    def indices(self) -> list[int]:
+        """The stream positions of `result()`'s items."""
+        kept = list(range(0, self.seen, self.stride))
+        return kept if not self.seen or kept[-1] == self.seen - 1 else [*kept, self.seen - 1]
+
+    def result(self) -> list:
+        whole = not self.seen or (self.seen - 1) % self.stride == 0
+        return self.items if whole else [*self.items, self.last]
+
+    def note(self, what: str) -> str | None:
+        """What the page says when it shows a sample (None when it shows every item)."""
+        if self.stride == 1:
+            return None
+        return (f"{self.seen:,} {what}: the page draws every {_ordinal(self.stride)} ({len(self.result()):,}, "
+                f"the last included); the counts, phases and rates count every one")
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+class _ArcFold:
+    """The arc report's data, taken from the events one at a time."""
+
+    def __init__(self) -> None:
+        self.start: dict | None = None
+        self.end: dict | None = None
+        self.last: dict | None = None
+        self.phases: list[dict] = []
+        self.phase = "decode"  # the phase in effect, for token events that do not name theirs
+        self.wall_phase: str | None = None  # the same, as the wall curve labels it (None before any phase)
+        self.tokens = Thinned(MAX_POINTS)  # one tuple of COLUMNS per kept token step
+        self.wall_curve = Thinned(MAX_POINTS)
+        self.jumps = Thinned(MAX_ROWS)
+        self.controls = Thinned(MAX_ROWS)
+        self.marks = Thinned(MAX_ROWS)
+        # plant events: the commands, the crossings and the first with barrier values kept exactly (the held
+        # input and the time in band are drawn from them), the other samples thinned; each with its position
+        self.plant_kept: list[tuple[int, dict]] = []
+        self.plant_samples = Thinned(MAX_POINTS)
+        self.plant_h = False
+        self.unknown: Counter = Counter()
+        self.examples: dict[str, list[str]] = {}
+        self.extra: Counter = Counter()
+        self.rates: RateFold | None = RateFold()
+
+    def add(self, e: dict) -> None:
+        kind = e["event"]
+        self.last = e
+        if self.rates is not None:
+            try:
+                self.rates.add(Event.from_dict(e))
+            except (TypeError, ValueError, OverflowError):  # a clock that is not a number: no rates table
+                self.rates = None
+        if kind == "start" and self.start is None:
+            self.start = e
+        elif kind == "end":
+            self.end = e
+        elif kind == "phase":
+            self._phase(e)
+        elif kind == "token":
+            if self.phases:
+                self.phases[-1]["steps"] += 1
+            self.tokens.add(self._token(e))
+        elif kind == "jump":
+            self.jumps.add(e)
+        elif kind == "control":
+            self.controls.add({**_strip(e), "t": _num(e.get("t")), "k": _num(e.get("k"))})
+        elif kind in ("batch", "context"):
+            self.marks.add({"event": kind, "t": _num(e.get("t")), "k": _num(e.get("k")), "wall_s": _num(e.get("wall_s")),
+                            "fields": _strip(e)})
+        elif kind == "plant":
+            self._plant(e)
+        if isinstance(e.get("t"), (int, float)) and isinstance(e.get("wall_s"), (int, float)):
+            self.wall_curve.add([_num(e["t"]), _num(e["wall_s"]), self.wall_phase])
+        if kind not in KNOWN_FIELDS:
+            self._unknown(e)
+        elif KNOWN_FIELDS[kind]:
+            for f in e:
+                if f not in COMMON and f not in KNOWN_FIELDS[kind] and (len(self.extra) < MAX_ROWS or (kind, f) in self.extra):
+                    self.extra[(kind, f)] += 1
+
+    def _phase(self, e: dict) -> None:
+        """Each phase event opens an interval that the next phase event (or the last event) closes."""
+        if self.phases:
+            self.phases[-1].update(t1=_num(e.get("t")), wall1=_num(e.get("wall_s")))
+        self.phases.append({"phase": str(e.get("phase", "?")), "mode": e.get("mode"), "k": _num(e.get("k")),
+                            "t0": _num(e.get("t")), "wall0": _num(e.get("wall_s")), "tokens": e.get("tokens"),
+                            "steps": 0})
+        self.phase = str(e.get("phase", self.phase))
+        self.wall_phase = str(e.get("phase", "?"))
+
+    def _token(self, e: dict) -> tuple:
+        """One token step as a row of TOKEN_COLUMNS; the probability of the sampled token under the model at
+        τ = 1 (`p`) and under the kernel that drew it (`kernel_p`), and the entropy, when recorded."""
+        text = e.get("text")
+        model, kernel = (_exp(v) for v in token_logprobs(e))
+        extra = {k: v for k, v in e.items() if k not in COMMON | KNOWN_FIELDS["token"]}
+        return (_num(e.get("t")), _num(e.get("k")), _num(e.get("wall_s")), str(e.get("phase") or self.phase),
+                text if isinstance(text, str) else "" if text is None else json.dumps(text, default=str),
+                e.get("token"), next((e[f] for f in ("p", "prob") if isinstance(e.get(f), (int, float))), model),
+                kernel, e.get("entropy") if isinstance(e.get("entropy"), (int, float)) else None, extra or None)
+
+    def _plant(self, e: dict) -> None:
+        at = len(self.plant_kept) + self.plant_samples.seen
+        first_h = not self.plant_h and isinstance(e.get("h"), dict)
+        if first_h or e.get("kind") in ("command", "crossing"):
+            self.plant_h = self.plant_h or first_h
+            self.plant_kept.append((at, e))
+        else:
+            self.plant_samples.add((at, e))
+
+    def _unknown(self, e: dict) -> None:
+        name = e["event"]
+        if name not in self.unknown and len(self.unknown) >= MAX_ROWS:
+            name = "(other kinds)"
+        self.unknown[name] += 1
+        examples = self.examples.setdefault(name, [])
+        if len(examples) < EXAMPLES:
+            examples.append(json.dumps(e, ensure_ascii=False, default=str))
+
+    def view(self, states) -> dict:
+        problems = []
+        if self.start is None:
+            problems.append("the trace has no start event: task, model and limits are unknown")
+        if self.end is None:
+            problems.append("the trace has no end event: the run did not finish (stopped or killed)")
+        if self.phases and self.last is not None:
+            last = self.phases[-1]
+            last.update(t1=max(_num(self.last.get("t")), last["t0"]), wall1=max(_num(self.last.get("wall_s")), last["wall0"]))
+        rows = self.tokens.result()
+        cols = {name: [row[i] for row in rows] for i, name in enumerate(TOKEN_COLUMNS)}
+        optional = ("p", "kernel_p", "entropy", "extra")  # None where no kept token step recorded them
+        tokens = {name: None if name in optional and all(v is None for v in col) else col for name, col in cols.items()}
+        jumps = self.jumps.result()
+        plant = [e for _, e in sorted(self.plant_kept + self.plant_samples.result(), key=lambda row: row[0])]
+        sampled = [self.tokens.note("token steps"), self.wall_curve.note("points of the wall clock"),
+                   self.jumps.note("jumps"), self.controls.note("control actions"), self.marks.note("engine events"),
+                   self.plant_samples.note("plant samples (the commands and boundary crossings are all drawn)")]
+        return {
+            "kind": "arc",
+            "start": self.start,
+            "end": self.end,
+            "phases": self.phases,
+            "tokens": tokens,
+            "jumps": [_jump(e) for e in jumps],
+            "controls": self.controls.result(),
+            "controllers": (self.start or {}).get("control") or [],
+            "wall_curve": self.wall_curve.result(),
+            "marks": self.marks.result(),
+            "plant": _plant(plant, jumps, self.start),
+            "rates": format_rates(self.rates.result()) if self.rates is not None else None,
+            "states": _states(states, self.tokens.seen, self.tokens.indices()),
+            "unknown": [{"event": name, "count": n, "examples": self.examples[name]} for name, n in self.unknown.items()],
+            "extra_fields": [{"event": ev, "field": f, "count": n} for (ev, f), n in self.extra.items()],
+            "problems": problems,
+            "totals": {"token_steps": self.tokens.seen, "jumps": self.jumps.seen, "controls": self.controls.seen,
+                       "marks": self.marks.seen},
+            "sampled": [s for s in sampled if s],
+        }
 
 
 def _strip(e: dict) -> dict:
     return {k: v for k, v in e.items() if k != "event"}
-
-
-def _phases(events: list[dict]) -> list[dict]:
-    """Each phase event opens an interval that the next phase event (or the last event) closes."""
-    out: list[dict] = []
-    for e in events:
-        if e["event"] == "phase":
-            if out:
-                out[-1].update(t1=_num(e.get("t")), wall1=_num(e.get("wall_s")))
-            out.append({"phase": str(e.get("phase", "?")), "mode": e.get("mode"), "k": _num(e.get("k")),
-                        "t0": _num(e.get("t")), "wall0": _num(e.get("wall_s")), "tokens": e.get("tokens"), "steps": 0})
-        elif e["event"] == "token" and out:
-            out[-1]["steps"] += 1
-    if out:
-        last = events[-1]
-        out[-1].update(t1=max(_num(last.get("t")), out[-1]["t0"]), wall1=max(_num(last.get("wall_s")), out[-1]["wall0"]))
-    return out
-
-
-def _tokens(events: list[dict]) -> dict[str, list | None]:
-    """The token steps as columns; the probability of the sampled token under the model at τ = 1 (`p`) and under
-    the kernel that drew it (`kernel_p`), and the entropy, when recorded."""
-    cols: dict[str, list] = {"t": [], "k": [], "wall": [], "phase": [], "text": [], "id": [], "p": [], "kernel_p": [],
-                             "entropy": [], "extra": []}
-    phase = "decode"
-    for e in events:
-        if e["event"] == "phase":
-            phase = str(e.get("phase", phase))
-        if e["event"] != "token":
-            continue
-        cols["t"].append(_num(e.get("t")))
-        cols["k"].append(_num(e.get("k")))
-        cols["wall"].append(_num(e.get("wall_s")))
-        cols["phase"].append(str(e.get("phase") or phase))
-        text = e.get("text")
-        cols["text"].append(text if isinstance(text, str) else "" if text is None else json.dumps(text, default=str))
-        cols["id"].append(e.get("token"))
-        model, kernel = (_exp(v) for v in token_logprobs(e))
-        cols["p"].append(next((e[f] for f in ("p", "prob") if isinstance(e.get(f), (int, float))), model))
-        cols["kernel_p"].append(kernel)
-        cols["entropy"].append(e.get("entropy") if isinstance(e.get("entropy"), (int, float)) else None)
-        extra = {k: v for k, v in e.items() if k not in COMMON | KNOWN_FIELDS["token"]}
-        cols["extra"].append(extra or None)
-    optional = ("p", "kernel_p", "entropy", "extra")  # None where no token step recorded them
-    return {name: None if name in optional and all(v is None for v in col) else col for name, col in cols.items()}
 
 
 def _exp(logp) -> float | None:
@@ -171,18 +286,7 @@ def _jump(e: dict) -> dict:
     return out
 
 
-def _wall_curve(events: list[dict]) -> list[list]:
-    """(t, wall_s, phase in effect after the event) for every event that carries both clocks."""
-    out, phase = [], None
-    for e in events:
-        if e["event"] == "phase":
-            phase = str(e.get("phase", "?"))
-        if isinstance(e.get("t"), (int, float)) and isinstance(e.get("wall_s"), (int, float)):
-            out.append([_num(e["t"]), _num(e["wall_s"]), phase])
-    return out
-
-
-def _plant(events: list[dict], start: dict | None) -> dict | None:
+def _plant(rows: list[dict], jumps: list[dict], start: dict | None) -> dict | None:
     """A plant's trajectory: state components against plant time, the input as held steps, the jump times, and,
     when the safe set is known, its band on each state and the time in it.
 
@@ -194,7 +298,6 @@ def _plant(events: list[dict], start: dict | None) -> dict | None:
     before the first one. A jump's plant time is its own `plant_t` when it has one, else its wall time
     mapped through the plant events' (wall_s, plant time) pairs.
     """
-    rows = [e for e in events if e["event"] == "plant"]
     if not rows:
         return None
     described = (start or {}).get("plant")
@@ -202,7 +305,6 @@ def _plant(events: list[dict], start: dict | None) -> dict | None:
     by_name: dict[str, list[dict]] = {}
     for e in rows:
         by_name.setdefault(str(e.get("plant") or e.get("name") or "plant"), []).append(e)
-    jumps = [e for e in events if e["event"] == "jump"]
     horizon = (start or {}).get("horizon_s")
     plants = []
     for name, rs in by_name.items():
@@ -302,20 +404,6 @@ def _components(value, base: str) -> dict[str, float | None]:
     return {}
 
 
-def _unknown(events: list[dict]) -> list[dict]:
-    counts = Counter(e["event"] for e in events if e["event"] not in KNOWN_FIELDS)
-    return [{"event": name, "count": n,
-             "examples": [json.dumps(e, ensure_ascii=False, default=str) for e in events if e["event"] == name][:EXAMPLES]}
-            for name, n in counts.items()]
-
-
-def _extra_fields(events: list[dict]) -> list[dict]:
-    """Fields of known events that the report does not draw (shown in tooltips and listed)."""
-    counts = Counter((e["event"], f) for e in events if e["event"] in KNOWN_FIELDS and KNOWN_FIELDS[e["event"]]
-                     for f in e if f not in COMMON | KNOWN_FIELDS[e["event"]])
-    return [{"event": ev, "field": f, "count": n} for (ev, f), n in counts.items()]
-
-
 # ---------------------------------------------------------------------- states
 def load_states(path: str | os.PathLike) -> tuple[np.ndarray, dict]:
     """The final-layer states [token steps, d] saved beside a trace, and the file's metadata."""
@@ -364,7 +452,9 @@ def pca_2d(states: np.ndarray) -> tuple[np.ndarray, list[float]]:
     return coords, share
 
 
-def _states(states, token_steps: int) -> dict | None:
+def _states(states, token_steps: int, kept: list[int]) -> dict | None:
+    """The states' norms and 2-D projection at the token steps the page draws (`kept`, in order; every row
+    when the trace has no token step)."""
     if states is None:
         return None
     X = np.asarray(states, dtype=np.float64)
@@ -375,9 +465,9 @@ def _states(states, token_steps: int) -> dict | None:
     if X.shape[0] != token_steps:
         note = (f"{X.shape[0]} state rows for {token_steps} token steps: rows are matched to token steps in order, "
                 f"the first {min(X.shape[0], token_steps)} drawn")
-    n = min(X.shape[0], token_steps) if token_steps else X.shape[0]
-    return {"rows": int(X.shape[0]), "dim": int(X.shape[1]), "norm": _short(np.linalg.norm(X, axis=1)[:n]),
-            "pca": [_short(row) for row in coords[:n]], "explained": share, "note": note}
+    rows = [i for i in kept if i < X.shape[0]] if token_steps else list(range(X.shape[0]))
+    return {"rows": int(X.shape[0]), "dim": int(X.shape[1]), "norm": _short(np.linalg.norm(X[rows], axis=1)),
+            "pca": [_short(row) for row in coords[rows]], "explained": share, "note": note}
 
 
 def _short(values) -> list[float]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -39,15 +40,17 @@ def _sdk():
     return Resource, TracerProvider, SimpleSpanProcessor, InMemorySpanExporter
 
 
-def arc_spans(events: list[dict], *, epoch_s: float | None = None) -> list:
-    """The arc's spans (opentelemetry.sdk ReadableSpan), ended, in start order."""
+def arc_spans(events: Iterable[dict], *, epoch_s: float | None = None, end_unix_s: float | None = None) -> list:
+    """The arc's spans (opentelemetry.sdk ReadableSpan), ended, in start order. Wall time 0 is at Unix time
+    `epoch_s`; without it, the arc's last wall time is at `end_unix_s` (now, without either). `events` may be
+    a stream (read once)."""
     from opentelemetry import trace as api
 
     Resource, TracerProvider, SimpleSpanProcessor, InMemorySpanExporter = _sdk()
     view = arc_view(events)
     start, end = view["start"] or {}, view["end"] or {}
     last_wall = max([w for _, w, _ in view["wall_curve"]] + [0.0])
-    base = time.time() - last_wall if epoch_s is None else epoch_s
+    base = (time.time() if end_unix_s is None else end_unix_s) - last_wall if epoch_s is None else epoch_s
     ns = lambda wall: int(round((base + wall) * 1e9))  # noqa: E731 - a one-line conversion, named for reading
 
     memory = InMemorySpanExporter()
@@ -90,10 +93,10 @@ def arc_spans(events: list[dict], *, epoch_s: float | None = None) -> list:
 def _arc_attributes(view: dict, start: dict, end: dict) -> dict:
     kernel, limits = start.get("kernel") or {}, start.get("limits") or {}
     attrs = {"gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "hybridlm", "gen_ai.provider.name": "hybridlm",
-             "gen_ai.usage.output_tokens": len(view["tokens"]["t"]),
+             "gen_ai.usage.output_tokens": view["totals"]["token_steps"],
              "gen_ai.usage.input_tokens": sum(p["tokens"] for p in view["phases"]
                                               if isinstance(p.get("tokens"), int) and not isinstance(p["tokens"], bool)),
-             "hybridlm.jumps": len(view["jumps"])}
+             "hybridlm.jumps": view["totals"]["jumps"]}
     optional = {"gen_ai.request.model": start.get("model"), "gen_ai.request.seed": start.get("seed"),
                 "gen_ai.request.max_tokens": limits.get("max_token_steps"),
                 "gen_ai.request.temperature": 0.0 if kernel.get("greedy") else kernel.get("temperature"),
@@ -124,15 +127,15 @@ def is_url(target: str) -> bool:
     return urlparse(str(target)).scheme in ("http", "https")
 
 
-def export_arc(events: list[dict], target: str | os.PathLike, *, epoch_s: float | None = None,
-               timeout_s: float = 10.0) -> int:
+def export_arc(events: Iterable[dict], target: str | os.PathLike, *, epoch_s: float | None = None,
+               end_unix_s: float | None = None, timeout_s: float = 10.0) -> int:
     """Export the arc's spans to an OTLP/HTTP URL or append them to a file as OTLP JSON lines.
 
     A URL without a path gets the OTLP traces path /v1/traces. Returns the number of spans.
     """
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-    spans = arc_spans(events, epoch_s=epoch_s)
+    spans = arc_spans(events, epoch_s=epoch_s, end_unix_s=end_unix_s)
     target = str(target)
     if is_url(target):
         try:
@@ -163,8 +166,6 @@ def export_arc(events: list[dict], target: str | os.PathLike, *, epoch_s: float 
 
 def export_trace(path: str | os.PathLike, target: str | os.PathLike) -> int:
     """Export a trace file's arc; its file was last written at the arc's end, which fixes the Unix time."""
-    from hybridlm.engine.trace import read_trace
+    from hybridlm.engine.trace import iter_trace
 
-    events = read_trace(path)
-    walls = [e["wall_s"] for e in events if isinstance(e.get("wall_s"), (int, float))]
-    return export_arc(events, target, epoch_s=Path(path).stat().st_mtime - max(walls + [0.0]))
+    return export_arc(iter_trace(path), target, end_unix_s=Path(path).stat().st_mtime)

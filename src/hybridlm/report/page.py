@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import json
 import os
+from collections.abc import Iterable
 from functools import cache
 from importlib.resources import files
 from pathlib import Path
@@ -69,9 +70,9 @@ def render(view: dict, title: str) -> str:
                            data=data, js=_asset("report.js"))
 
 
-def render_arc_report(events: list[dict], states=None) -> str:
-    """The HTML report of one hybrid arc: its trace events and, optionally, its final-layer states
-    (an array [token steps, d]); what a server returns for GET /v1/arcs/{id}/report."""
+def render_arc_report(events: Iterable[dict], states=None) -> str:
+    """The HTML report of one hybrid arc: its trace events (a list, or a stream read once) and, optionally, its
+    final-layer states (an array [token steps, d]); what a server returns for GET /v1/arcs/{id}/report."""
     view = arc_view(events, states)
     task = (view.get("start") or {}).get("task")
     return render(view, f"hybridlm arc · {task}" if task else "hybridlm arc")
@@ -89,21 +90,21 @@ def render_survey_report(folder: str | os.PathLike) -> str:
 
 def report_html(path: str | os.PathLike, *, states: str | os.PathLike | None = None) -> tuple[str, str]:
     """(kind, HTML) for a trace file, a consensus run folder or a survey run folder."""
-    from hybridlm.engine.trace import read_trace
+    from hybridlm.engine.trace import iter_trace
 
     kind = detect(path)
     if kind != "arc":
         if states is not None:
             raise InputError(f"--states {states}: only an agent trace has states; {path} is a {kind} run folder")
         return kind, (render_consensus_report(path) if kind == "consensus" else render_survey_report(path))
-    events = read_trace(path)
     if states is None:
         states_path = states_beside(path)
     elif Path(states).is_file():
         states_path = Path(states)
     else:
         raise InputError(f"--states {states}: no such file")
-    return kind, render_arc_report(events, load_states(states_path)[0] if states_path else None)
+    # the trace is read as a stream: what the page keeps of it is bounded by what it draws (report.arc.Thinned)
+    return kind, render_arc_report(iter_trace(path), load_states(states_path)[0] if states_path else None)
 
 
 def write_report(path: str | os.PathLike, out: str | os.PathLike, *, states=None) -> tuple[str, Path]:

@@ -401,13 +401,15 @@
     h("h1", {}, root, "Hybrid arc");
     if (st.task !== undefined) h("p", { class: "task" }, root, st.task);
     D.problems.forEach(function (p) { note(root, p, "problem"); });
+    (D.sampled || []).forEach(function (p) { note(root, p, "sampled"); });
+    var totals = D.totals || { token_steps: T.t.length, jumps: D.jumps.length };
     facts(root, [
       ["model", st.model], ["kernel", kernelText(st.kernel)],
       ["limits", st.limits && typeof st.limits === "object" ? st.limits.max_token_steps + " token steps, " + st.limits.max_jumps + " jumps (" +
         st.limits.max_jumps_per_step + " per token step)" : undefined], ["tool choice", st.tool_choice], ["seed", st.seed],
       ["tools", Array.isArray(st.tools) ? st.tools.map(function (t) { return t && t.name; }).join(", ") : undefined],
       ["answer", end.answer], ["termination", end.stop_reason],
-      ["token steps", T.t.length], ["jumps", D.jumps.length],
+      ["token steps", totals.token_steps], ["jumps", totals.jumps],
       ["wall q_G / q_E", end.wall_generate_s !== undefined ? secs(end.wall_generate_s) + " / " + secs(end.wall_external_s) : undefined],
       ["wall total", D.wall_curve.length ? secs(D.wall_curve[D.wall_curve.length - 1][1]) : undefined],
       ["rates", D.rates || undefined],
