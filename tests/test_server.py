@@ -673,7 +673,7 @@ def test_serve_names_a_busy_port_before_loading():
 
 
 def test_serve_command_answers_the_openai_client():
-    env = {**os.environ, "HYBRIDLM_API_KEY": "k"}
+    env = {**os.environ, "HYBRIDLM_API_KEY": "k", "PYTHONFAULTHANDLER": "1"}
     p = subprocess.Popen([sys.executable, "-m", "hybridlm.cli", "serve", "--port", "0", "--max-batch", "4",
                           "--log-level", "warning", "--threads", "1"], stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -691,10 +691,14 @@ def test_serve_command_answers_the_openai_client():
         p.send_signal(signal.SIGINT)
         try:
             _, rest = p.communicate(timeout=90)  # reading stderr to its end: a full pipe would hold the exit
-        except subprocess.TimeoutExpired:
-            p.kill()
-            _, rest = p.communicate()
-    assert p.returncode == 0, rest[-2000:]
+        except subprocess.TimeoutExpired:  # (SIGABRT: the child's faulthandler prints where each thread waits)
+            p.send_signal(signal.SIGABRT)
+            try:
+                _, rest = p.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                _, rest = p.communicate()
+    assert p.returncode == 0, rest[-6000:]
 
 
 def test_nulls_negative_seeds_and_deprecated_functions(served, client):
