@@ -192,7 +192,7 @@ def read_gguf(path: Path, *, tokenizer: bool = True) -> tuple[ModelConfig, "GGUF
     size; the metadata are then type-checked key by key, and the tensors the config implies checked
     by name and shape, before any tensor is dequantised.
     """
-    header = read_header(path)
+    header = read_header(path, vocabulary=tokenizer)
     try:
         cfg = config_from_metadata(header.metadata, header, origin=path.name)
         tok = tokenizer_from_metadata(header.metadata, name=path.stem, vocab_size=cfg.vocab_size) if tokenizer else None
