@@ -44,6 +44,6 @@ def tool_format(row: dict) -> str:
     if name == "PATH" or not row["available"] or row.get("grid") is None:
         return "template"
     path = _gguf_file(name)
-    template = read_header(path).metadata.get("tokenizer.chat_template") if path is not None else None
+    template = read_header(path, vocabulary=False).metadata.get("tokenizer.chat_template") if path is not None else None
     codec = detect(template if isinstance(template, str) else "")
     return codec.name if codec.templated else f"{codec.name} (default)"

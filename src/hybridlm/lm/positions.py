@@ -56,9 +56,11 @@ class Rotary(DirectModule):
         base, factors = cfg.rope_theta, cfg.rope_freq_factors
         if local and cfg.rope_local_theta is not None:
             base, factors = cfg.rope_local_theta, None
-        inv_freq = 1.0 / (base ** (torch.arange(0, d_k, 2, dtype=torch.float32) / d_k))
+        # On the CPU even inside `torch.device("meta")` (a model's skeleton): PyTorch's meta `arange`
+        # imports its symbolic-shape machinery (sympy), some 80 MB of resident memory for good.
+        inv_freq = 1.0 / (base ** (torch.arange(0, d_k, 2, dtype=torch.float32, device="cpu") / d_k))
         if factors is not None:
-            inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
+            inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
         self._inv_freq, self._factor, self._horizon = inv_freq, 1.0 if local else cfg.rope_attn_factor, cfg.n_ctx
         # The tables hold the positions reached so far (`reach`), not the whole horizon T: a row's
         # entries do not depend on the table's length, and at T = 32768 and d_k = 256 the two
@@ -71,7 +73,7 @@ class Rotary(DirectModule):
         self.local = Rotary(cfg, local=True) if cfg.rope_local_theta is not None and not local else None
 
     def _table(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = torch.outer(torch.arange(rows, dtype=torch.float32), self._inv_freq)
+        angles = torch.outer(torch.arange(rows, dtype=torch.float32, device=self._inv_freq.device), self._inv_freq)
         cos, sin = angles.cos(), angles.sin()
         if self._factor != 1.0:
             cos, sin = cos * self._factor, sin * self._factor

@@ -416,15 +416,15 @@ def gguf_config(family: Family, meta: dict, tensors: Mapping[str, Any], *, origi
         if m.get(key, default=head_dim) != head_dim:
             raise WeightsError(f"{origin}: {m.arch}.{key}={m.get(key)} differs from the head size {head_dim}; "
                                "hybridlm reads whole heads, all rotated")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = m.get("vocab_size", default=None) or (len(tokens) if isinstance(tokens, list) else None)
+    from hybridlm.weights.gguf_header import Unread, meta_value
+
+    tokens = meta.get("tokenizer.ggml.tokens")  # (a list, or its count where the vocabulary was not read)
+    vocab = m.get("vocab_size", default=None) or (len(tokens) if isinstance(tokens, (list, Unread)) else None)
     if not vocab:
         raise WeightsError(f"{origin}: neither '{m.arch}.vocab_size' nor a vocabulary in the metadata")
     ids = {}
     for name in ("bos", "eos"):
         try:
-            from hybridlm.weights.gguf_header import meta_value
-
             ids[name] = meta_value(meta, f"tokenizer.ggml.{name}_token_id", "int", None)
         except WeightsError as exc:
             raise WeightsError(f"{origin}: {exc}") from None

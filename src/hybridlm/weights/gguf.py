@@ -179,7 +179,7 @@ def _cached_tokenizer(cache: Path) -> Tokenizer | None:
             meta = f.metadata() or {}
         if meta.get("format") != CACHE_FORMAT:
             return None
-        return tokenizer_from_json(json.loads(meta["tokenizer"]))
+        return tokenizer_from_json(meta.pop("tokenizer"))
     except Exception:  # noqa: BLE001 - any failure of the cache: the vocabulary is read from the GGUF file instead
         return None
 
@@ -192,7 +192,7 @@ def read_gguf(path: Path, *, tokenizer: bool = True) -> tuple[ModelConfig, "GGUF
     size; the metadata are then type-checked key by key, and the tensors the config implies checked
     by name and shape, before any tensor is dequantised.
     """
-    header = read_header(path)
+    header = read_header(path, vocabulary=tokenizer)
     try:
         cfg = config_from_metadata(header.metadata, header, origin=path.name)
         tok = tokenizer_from_metadata(header.metadata, name=path.stem, vocab_size=cfg.vocab_size) if tokenizer else None
@@ -310,7 +310,7 @@ def load_cached(file: Path, *, precision: str = "float32") -> DecoderLM | None:
         if meta.get("format") != CACHE_FORMAT:
             raise ValueError(f"format {meta.get('format')!r}, expected {CACHE_FORMAT!r}")
         cfg = ModelConfig.from_dict(json.loads(meta["config"]))
-        tokenizer = tokenizer_from_json(json.loads(meta["tokenizer"]))
+        tokenizer = tokenizer_from_json(meta.pop("tokenizer"))
         with LazyWeights(file) as weights:
             return assemble(cfg, weights, tokenizer, origin=file.name, precision=precision)
     except Exception as exc:  # noqa: BLE001 - any failure means: rebuild from the GGUF file

@@ -65,6 +65,19 @@ class TensorInfo:
         return flat.reshape(rows, -1) if rows else flat.reshape(0, 0)
 
 
+@dataclass(frozen=True)
+class Unread:
+    """An array of the vocabulary that `read_header(vocabulary=False)` walked (every length bounded by
+    the file) but did not read: only its element type and count are kept, for readers of the
+    weights alone, which need the vocabulary's size and not its 10⁵ strings."""
+
+    item: GGUFValueType
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+
 @dataclass
 class Header:
     path: Path
@@ -132,6 +145,23 @@ class _Cursor:
         except ValueError:
             raise self.fail(f"{what} has value type {raw}, which GGUF does not define") from None
 
+    def skip_array(self, what: str) -> Unread:
+        """An array walked, not read: its strings' lengths are bounded as `value` bounds them."""
+        item = self.value_type(f"the elements of {what}")
+        n = self.count(self.u64(f"the element count of {what}"), MIN_SIZE[item], what)
+        if item in SCALARS:
+            self.need(n * SCALARS[item][1], what)
+            self.at += n * SCALARS[item][1]
+        elif item == GGUFValueType.STRING:
+            for i in range(n):
+                length = self.u64(f"the length of {what}[{i}]")
+                self.need(length, f"{what}[{i}] ({length:,} bytes)")
+                self.at += length
+        else:  # arrays of arrays, which `value` reads without keeping them
+            for i in range(n):
+                self.value(item, f"{what}[{i}]", 1)
+        return Unread(item, n)
+
     def value(self, kind: GGUFValueType, what: str, depth: int = 0) -> Any:
         if kind in SCALARS:
             return self.scalar(kind, what)
@@ -179,8 +209,12 @@ def meta_value(meta: dict[str, Any], key: str, kind: str, default: Any = MISSING
     return value
 
 
-def read_header(path: str | os.PathLike) -> Header:
-    """Metadata and tensor table of a GGUF file; a WeightsError naming the first bound a field breaks."""
+def read_header(path: str | os.PathLike, *, vocabulary: bool = True) -> Header:
+    """Metadata and tensor table of a GGUF file; a WeightsError naming the first bound a field breaks.
+
+    `vocabulary=False`: the arrays of `tokenizer.ggml.*` (tokens, scores, types, merges) are walked
+    but kept only as `Unread` (their count), for a reader of the weights or the tensor table alone:
+    a 262 144-token vocabulary read as Python strings costs some 40 MB of resident memory."""
     path = Path(path)
     origin = path.name
     try:
@@ -207,7 +241,9 @@ def read_header(path: str | os.PathLike) -> Header:
         key = cur.string(f"metadata key #{i}")
         if key in metadata:
             raise cur.fail(f"metadata key {key!r} appears twice")
-        metadata[key] = cur.value(cur.value_type(f"metadata {key!r}"), f"metadata {key!r}")
+        value_type = cur.value_type(f"metadata {key!r}")
+        skip = not vocabulary and value_type == GGUFValueType.ARRAY and key.startswith("tokenizer.ggml.")
+        metadata[key] = cur.skip_array(f"metadata {key!r}") if skip else cur.value(value_type, f"metadata {key!r}")
     cur.count(n_tensors, 8 + 4 + 4 + 8, "the tensor table")  # name length, n_dims, type, offset
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):

@@ -120,7 +120,7 @@ def file_precision(path) -> str:
     from hybridlm.lm.blockquant import BLOCKS
     from hybridlm.weights.gguf_header import read_header
 
-    kinds = [t.kind.name for t in read_header(path).tensors if len(t.shape) == 2]
+    kinds = [t.kind.name for t in read_header(path, vocabulary=False).tensors if len(t.shape) == 2]
     four_bit = sum(k in ("Q4_0", "Q4_1") for k in kinds)
     if kinds and four_bit * 2 > len(kinds):
         return "int4"
@@ -221,7 +221,7 @@ def file_grid(path) -> str:
 
     from hybridlm.weights.gguf_header import read_header
 
-    header = read_header(path)
+    header = read_header(path, vocabulary=False)
     kinds: dict[str, int] = {}
     for t in header.tensors:
         if len(t.shape) == 2:
