@@ -147,3 +147,15 @@ def test_a_long_observation_lands_a_chunk_per_step(toy_model, monkeypatch):
     engine.run()
     assert s.error is None and lone.error is None and s.k == 1
     assert s.arc.tokens == lone.arc.tokens and len(s.arc.tokens) == 10
+
+
+def test_warm_up_leaves_no_trace(toy_model):
+    """The server's warm-up prefill touches neither the prefix cache nor any sequence's tokens."""
+    short, long = _prompts()
+    cache = PrefixCache()
+    engine = Engine(toy_model, prefill_chunk=CHUNK, prefix_cache=cache)
+    engine.warm_up()
+    assert len(cache) == 0 and not engine.busy
+    s = engine.add(sequence(toy_model, long, kernel=Kernel(greedy=True), max_new_tokens=6))
+    engine.run()
+    assert s.arc.tokens == _alone(toy_model, long, 6, CHUNK)

@@ -105,11 +105,13 @@ def serve(model_spec, names, host, port, tools, kb, api_key, max_batch, max_queu
             use_tool_call_parser(model, tool_call_parser)
             drop_without_grammar(reg, model)
             loaded["precision"], loaded["device"], loaded["threads"] = model.precision, where, torch.get_num_threads()
-            return Service(model, model_id=tuple(served) or (name,), tools=reg if reg.tools else None,
-                           max_batch=max_batch, max_queue=max_queue, prefix_cache_mb=prefix_cache_mb,
-                           continuation_mb=continuation_mb, context=context_policy, max_jumps=max_jumps,
-                           max_calls=max_calls, repeat_calls=repeat_calls, max_arcs=max_arcs,
-                           prefill_chunk=prefill_chunk)
+            service = Service(model, model_id=tuple(served) or (name,), tools=reg if reg.tools else None,
+                              max_batch=max_batch, max_queue=max_queue, prefix_cache_mb=prefix_cache_mb,
+                              continuation_mb=continuation_mb, context=context_policy, max_jumps=max_jumps,
+                              max_calls=max_calls, repeat_calls=repeat_calls, max_arcs=max_arcs,
+                              prefill_chunk=prefill_chunk)
+            service.engine.warm_up()  # (still "loading": the first prefill's cost is not the first client's)
+            return service
 
         def ready(bound_port: int) -> None:
             offered = ", ".join(t.name for t in reg) or "none"

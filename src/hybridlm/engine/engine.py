@@ -96,6 +96,20 @@ class Engine:
         self._pool: cf.ThreadPoolExecutor | None = None
         self._hooks: dict[int, list] = {}  # per sequence: the hooks on its rows (residual inputs, probes)
 
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """A throwaway prefill of one chunk and one token step, into a state of its own (the prefix cache
+        untouched). A process's first prefill pays for its buffers' first touch, seconds on a small CPU
+        and the other rows waiting; a server pays it before it says it is ready, not on its first client."""
+        model = self.model
+        if not hasattr(model, "empty_state"):
+            return
+        n = max(1, min(self.prefill_chunk or SEGMENT, model.config.n_ctx - 1))
+        tokens = [i % model.config.vocab_size for i in range(n)]
+        x = model.empty_state(1, capacity=n + 1)
+        model.F(x, tokens)
+        model.F(x, tokens[:1])
+
     # ------------------------------------------------------------------ the population
     def add(self, s: ArcState) -> ArcState:
         """A sequence joins; it is admitted at the next step (thread-safe)."""
