@@ -204,7 +204,10 @@ def lark(tools: dict[str, dict], choice: str, parallel: bool, max_calls: int | N
         f"body: {call_body(tools, max_string)}",
         f"call: {opening} {p} body {p} {closing}",
     ]
-    more = repeat(parallel, max_calls)
+    # A newline after a call is whitespace, not yet the next call: the turn may still end after it. (Where
+    # only another call could follow it, the mask made the newline the model writes after its call a
+    # call the model never chose.)
+    more = repeat(parallel, max_calls) + (' "\\n"?' if parallel else "")
     text = "TEXT: /(?s:.*)/" + (f" & {NOT_BARE}" if bare else "")
     untagged = ""
     if bare and choice == "auto":
