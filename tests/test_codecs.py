@@ -173,6 +173,9 @@ def test_the_newline_after_a_call_is_not_yet_a_second_call(smollm2, codec, pad, 
     two = _fed(tok, choice, call + "\n" + call, parallel=True, codec=codec)
     assert two is not None and two.calls() == [ONE, ONE]
     assert _fed(tok, choice, call + "\n", parallel=False, codec=codec) is None  # one call: the stop token only
+    if codec == "hermes" and choice == "auto":  # so does a call written without the tags
+        bare = _fed(tok, choice, CALL + "\n", parallel=True, codec=codec)
+        assert bare is not None and bare.calls() == [ONE] and bare.accepting
 
 
 def test_the_models_list_says_each_models_call_format():

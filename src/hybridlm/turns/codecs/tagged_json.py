@@ -207,13 +207,14 @@ def lark(tools: dict[str, dict], choice: str, parallel: bool, max_calls: int | N
     # A newline after a call is whitespace, not yet the next call: the turn may still end after it. (Where
     # only another call could follow it, the mask made the newline the model writes after its call a
     # call the model never chose.)
-    more = repeat(parallel, max_calls) + (' "\\n"?' if parallel else "")
+    trail = ' "\\n"?' if parallel else ""
+    more = repeat(parallel, max_calls) + trail
     text = "TEXT: /(?s:.*)/" + (f" & {NOT_BARE}" if bare else "")
     untagged = ""
     if bare and choice == "auto":
         bodies = "body" + repeat(parallel, max_calls, '"\\n"', "body")
         untagged = " | bare"
-        lines += [f'bare: {bodies} | "```json\\n" {bodies} "\\n```"']
+        lines += [f'bare: {bodies}{trail} | "```json\\n" {bodies} "\\n```"']
     if choice == "auto" and opening.startswith("<["):  # free text cannot hold a token: it ends where the call opens
         # (a call may also open the turn, with no text before it)
         lines += ["start: TEXT | TEXT call" + more + " | call" + more + untagged, text]
