@@ -127,14 +127,14 @@ def test_a_bare_call_cut_off_is_open_and_held_back():
     assert CODECS["tagged_json"].parse(CALL)[0] == []  # the project's own format stays strict
 
 
-def _fed(tok, choice, text, *, parallel=False, codec="hermes"):
+def _fed(tok, choice, text, *, parallel=False, codec="hermes", max_calls=None):
     """The constraint of a turn (Hermes' by default) after the tokenizer's own encoding of `text`, or None where the
     mask refuses one of its tokens."""
     from hybridlm.turns import tool_call_constraint
 
     tools = [{"name": "special_function", "parameters": {"type": "object", "properties": {"arg1": {"type": "integer"}},
                                                          "required": ["arg1"]}}]
-    c = tool_call_constraint(tok, tools, choice, codec=CODECS[codec], parallel=parallel)
+    c = tool_call_constraint(tok, tools, choice, codec=CODECS[codec], parallel=parallel, max_calls=max_calls)
     for i in tok.encode(text):
         allowed = c.mask()
         if allowed is not None and not bool(allowed[i]):
@@ -164,12 +164,13 @@ def test_the_newline_after_a_call_is_not_yet_a_second_call(smollm2, codec, pad, 
     call only: the mask then made Qwen write calls it never chose.)"""
     tok = smollm2.tokenizer
     call = f"<tool_call>{pad}{CALL}{pad}</tool_call>"
-    c = _fed(tok, choice, call + "\n", parallel=True, codec=codec)
-    assert c is not None and c.calls() == [ONE] and c.accepting
-    allowed, stop = c.mask(), min(tok.stop_ids())
-    assert allowed is None or bool(allowed[stop])
-    c.advance(stop)
-    assert c.finished and c.calls() == [ONE]
+    for horizon in (None, 2, 3):
+        c = _fed(tok, choice, call + "\n", parallel=True, codec=codec, max_calls=horizon)
+        assert c is not None and c.calls() == [ONE] and c.accepting
+        allowed, stop = c.mask(), min(tok.stop_ids())
+        assert allowed is None or bool(allowed[stop])
+        c.advance(stop)
+        assert c.finished and c.calls() == [ONE]
     two = _fed(tok, choice, call + "\n" + call, parallel=True, codec=codec)
     assert two is not None and two.calls() == [ONE, ONE]
     assert _fed(tok, choice, call + "\n", parallel=False, codec=codec) is None  # one call: the stop token only
