@@ -127,14 +127,14 @@ def test_a_bare_call_cut_off_is_open_and_held_back():
     assert CODECS["tagged_json"].parse(CALL)[0] == []  # the project's own format stays strict
 
 
-def _fed(tok, choice, text, *, parallel=False):
-    """The constraint of a Hermes turn after the tokenizer's own encoding of `text`, or None where the mask refuses
-    one of its tokens."""
+def _fed(tok, choice, text, *, parallel=False, codec="hermes", max_calls=None):
+    """The constraint of a turn (Hermes' by default) after the tokenizer's own encoding of `text`, or None where the
+    mask refuses one of its tokens."""
     from hybridlm.turns import tool_call_constraint
 
     tools = [{"name": "special_function", "parameters": {"type": "object", "properties": {"arg1": {"type": "integer"}},
                                                          "required": ["arg1"]}}]
-    c = tool_call_constraint(tok, tools, choice, codec=CODECS["hermes"], parallel=parallel)
+    c = tool_call_constraint(tok, tools, choice, codec=CODECS[codec], parallel=parallel, max_calls=max_calls)
     for i in tok.encode(text):
         allowed = c.mask()
         if allowed is not None and not bool(allowed[i]):
@@ -154,6 +154,29 @@ def test_a_hermes_turn_may_call_without_the_tags_in_auto_only(smollm2):
     for text in ("The answer is 42.", "```python\nprint(1)\n```"):  # free text stays free
         c = _fed(tok, "auto", text)
         assert c is not None and c.calls() == [] and c.answer() == text
+
+
+@pytest.mark.parametrize("codec, pad", [("hermes", "\n"), ("tagged_json", "")])
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_the_newline_after_a_call_is_not_yet_a_second_call(smollm2, codec, pad, choice):
+    """Where more calls may follow, the newline a model writes after its call leaves it both ways: the turn may
+    end there (the model's stop token) or open one more call. (Before, the newline was the separator of a next
+    call only: the mask then made Qwen write calls it never chose.)"""
+    tok = smollm2.tokenizer
+    call = f"<tool_call>{pad}{CALL}{pad}</tool_call>"
+    for horizon in (None, 2, 3):
+        c = _fed(tok, choice, call + "\n", parallel=True, codec=codec, max_calls=horizon)
+        assert c is not None and c.calls() == [ONE] and c.accepting
+        allowed, stop = c.mask(), min(tok.stop_ids())
+        assert allowed is None or bool(allowed[stop])
+        c.advance(stop)
+        assert c.finished and c.calls() == [ONE]
+    two = _fed(tok, choice, call + "\n" + call, parallel=True, codec=codec)
+    assert two is not None and two.calls() == [ONE, ONE]
+    assert _fed(tok, choice, call + "\n", parallel=False, codec=codec) is None  # one call: the stop token only
+    if codec == "hermes" and choice == "auto":  # so does a call written without the tags
+        bare = _fed(tok, choice, CALL + "\n", parallel=True, codec=codec)
+        assert bare is not None and bare.calls() == [ONE] and bare.accepting
 
 
 def test_the_models_list_says_each_models_call_format():

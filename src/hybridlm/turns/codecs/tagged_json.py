@@ -172,11 +172,18 @@ def call_body(tools: dict[str, dict], max_string: int | None, *, name_key: str =
     return f"%json {json.dumps(body)}"
 
 
-def repeat(parallel: bool, max_calls: int | None, separator: str = '"\\n"?', item: str = "call") -> str:
-    """The Lark suffix of the calls after the first: none, at most max_calls − 1, or any number."""
-    if not parallel:
+def repeat(parallel: bool, max_calls: int | None, separator: str = '"\\n"?', item: str = "call", *,
+           trail: str = "") -> str:
+    """The Lark suffix of the calls after the first: none, at most max_calls − 1, or any number. `trail`: what may
+    follow a call where another could still follow it, and end the turn there (never after the last call allowed)."""
+    if not parallel or max_calls == 1:
         return ""
-    return f" ({separator} {item}){{0,{max_calls - 1}}}" if max_calls else f" ({separator} {item})*"
+    if not max_calls:
+        return f" ({separator} {item})*" + (f" {trail}?" if trail else "")
+    if not trail:
+        return f" ({separator} {item}){{0,{max_calls - 1}}}"
+    before_last = f" ({separator} {item}){{0,{max_calls - 2}}}" if max_calls > 2 else ""
+    return f"{before_last} ({separator} {item} | {trail})?"
 
 
 def no_call(opening: str, *, bare: bool = False) -> str:
@@ -204,13 +211,17 @@ def lark(tools: dict[str, dict], choice: str, parallel: bool, max_calls: int | N
         f"body: {call_body(tools, max_string)}",
         f"call: {opening} {p} body {p} {closing}",
     ]
-    more = repeat(parallel, max_calls)
+    # A newline after a call is whitespace, not yet the next call: the turn may still end after it. (Where
+    # only another call could follow it, the mask made the newline the model writes after its call a
+    # call the model never chose.)
+    newline = '"\\n"'
+    more = repeat(parallel, max_calls, trail=newline)
     text = "TEXT: /(?s:.*)/" + (f" & {NOT_BARE}" if bare else "")
     untagged = ""
     if bare and choice == "auto":
-        bodies = "body" + repeat(parallel, max_calls, '"\\n"', "body")
+        bodies = "body" + repeat(parallel, max_calls, newline, "body")
         untagged = " | bare"
-        lines += [f'bare: {bodies} | "```json\\n" {bodies} "\\n```"']
+        lines += [f'bare: body{repeat(parallel, max_calls, newline, "body", trail=newline)} | "```json\\n" {bodies} "\\n```"']
     if choice == "auto" and opening.startswith("<["):  # free text cannot hold a token: it ends where the call opens
         # (a call may also open the turn, with no text before it)
         lines += ["start: TEXT | TEXT call" + more + " | call" + more + untagged, text]
