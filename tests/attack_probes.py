@@ -109,7 +109,7 @@ class Served:
 
     def stop(self) -> int | None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(signal.SIGTERM)  # (as Ctrl-C; a SIGINT is ignored under a backgrounded job)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:

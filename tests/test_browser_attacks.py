@@ -68,11 +68,11 @@ def post_from(browser, page_url: str, target: str, content_type: str) -> tuple[i
     """A page at `page_url` POSTs a chat request to `target` with `content_type`: the status the browser
     saw, what the script could read ('blocked' when CORS hid the answer), and the methods sent."""
     page = browser.new_page()
-    seen: dict[str, int] = {}
     methods: list[str] = []
     cdp = browser.new_cdp_session(page)  # (the browser's network log: it holds preflights and CORS-blocked answers)
     cdp.send("Network.enable")
     asked: dict[str, str] = {}
+    statuses: dict[str, int] = {}  # by request id: an extra-info event may come before its request's own event
 
     def sent(e) -> None:
         if e["request"]["url"] == target:
@@ -80,8 +80,14 @@ def post_from(browser, page_url: str, target: str, content_type: str) -> tuple[i
             methods.append(e["request"]["method"])
 
     def answered(e) -> None:  # (the extra info's status: a CORS-blocked answer has no responseReceived)
-        if e["requestId"] in asked:
-            seen.setdefault(asked[e["requestId"]], e["statusCode"])
+        statuses.setdefault(e["requestId"], e["statusCode"])
+
+    def seen() -> dict[str, int]:
+        out: dict[str, int] = {}
+        for request_id, method in asked.items():
+            if request_id in statuses:
+                out.setdefault(method, statuses[request_id])
+        return out
 
     cdp.on("Network.requestWillBeSent", sent)
     cdp.on("Network.responseReceivedExtraInfo", answered)
@@ -95,12 +101,12 @@ def post_from(browser, page_url: str, target: str, content_type: str) -> tuple[i
             } catch (e) { return "blocked"; }
         }""", [target, content_type, MODEL])
         for _ in range(200):  # (the status of a blocked answer may arrive after the script's end: up to 10 s)
-            if "POST" in seen:
+            if "POST" in seen():
                 break
             page.wait_for_timeout(50)
     finally:
         page.close()
-    return seen.get("POST"), read, methods
+    return seen().get("POST"), read, methods
 
 
 def test_a_cross_origin_text_plain_post_is_refused_without_running(browser, served, page_port):

@@ -688,7 +688,8 @@ def test_serve_command_answers_the_openai_client():
         r = c.chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=3)
         assert r.choices[0].message.content is not None
     finally:
-        p.send_signal(signal.SIGINT)
+        # SIGTERM, which serve handles as Ctrl-C: a SIGINT is ignored by a child of a backgrounded job (`cmd &`)
+        p.send_signal(signal.SIGTERM)
         try:
             _, rest = p.communicate(timeout=90)  # reading stderr to its end: a full pipe would hold the exit
         except subprocess.TimeoutExpired:  # (SIGABRT: the child's faulthandler prints where each thread waits)
