@@ -9,15 +9,12 @@ are the ones the browser saw on the wire; the service's counters show whether a 
 
 import http.server
 import threading
-from pathlib import Path
 
 import pytest
 
 from hybridlm.server import Service, running
+from tests.chromium import launched
 
-CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run"]
 MODEL = "smollm2-135m"
 
 
@@ -52,16 +49,9 @@ def served(smollm2, page_port):
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium (CI installs it; .ci/run)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        context = p.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=CHROMIUM, headless=True,
-            args=[*FLAGS, "--host-resolver-rules=MAP rebound.test 127.0.0.1"])
+    with launched(tmp_path_factory.mktemp("chromium-profile"), "--host-resolver-rules=MAP rebound.test 127.0.0.1") \
+            as context:
         yield context
-        context.close()
 
 
 def post_from(browser, page_url: str, target: str, content_type: str) -> tuple[int | None, str, list[str]]:

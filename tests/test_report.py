@@ -28,11 +28,9 @@ from hybridlm.agent import HybridAgent, Limits
 from hybridlm.engine.trace import read_trace
 from hybridlm.tools import registry
 from hybridlm.cli import cli
+from tests.chromium import launched
 from hybridlm.report import arc_view, load_states, pca_2d, render_arc_report, write_report
 
-CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run"]
 TASK = "What is 123456 * 789?"
 
 
@@ -138,16 +136,8 @@ def survey_runs(tmp_path_factory):
 # ---------------------------------------------------------------------- the browser
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (the browser the report is tested in)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        context = p.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=CHROMIUM, headless=True, args=FLAGS,
-            viewport={"width": 1100, "height": 900})
+    with launched(tmp_path_factory.mktemp("chromium-profile"), viewport={"width": 1100, "height": 900}) as context:
         yield context
-        context.close()
 
 
 class Opened:

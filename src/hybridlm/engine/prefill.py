@@ -181,8 +181,12 @@ def prefill(model, tokens: Sequence[int], *, marks: Iterable[int] = (), cache: P
     A string longer than the horizon keeps its last `policy.keep(T)` tokens. With a soft prefix
     (a control input, hybridlm.control.inputs) the prefix rows come first and nothing is cached.
     """
-    steps = prefill_steps(model, tokens, marks=marks, cache=cache, soft_prefix=soft_prefix, policy=policy,
-                          segment=segment)
+    return run_to_end(prefill_steps(model, tokens, marks=marks, cache=cache, soft_prefix=soft_prefix, policy=policy,
+                                    segment=segment))
+
+
+def run_to_end(steps):
+    """What a generator of steps (`prefill_steps`, `inject_steps`) returns, all its steps taken at once."""
     while True:
         try:
             next(steps)
@@ -242,23 +246,13 @@ def prefill_steps(model, tokens: Sequence[int], *, marks: Iterable[int] = (), ca
 
 
 @torch.no_grad()
-def inject(model, x, tokens: Sequence[int], *, policy: ContextPolicy = ContextPolicy()) -> bool:
-    """Append tokens (an observation enc(y)) to a state through a prefill, in one piece; under the block
-    policy a string that would pass T is first cut to its last T − δ tokens (True: the state was rebuilt)."""
-    steps = inject_steps(model, x, tokens, policy=policy, chunk=0)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
-
-
-@torch.no_grad()
 def inject_steps(model, x, tokens: Sequence[int], *, policy: ContextPolicy = ContextPolicy(), chunk: int = SEGMENT):
-    """`inject` a chunk of at most `chunk` tokens at a time (0: in one piece), yielding between two chunks, for
-    an engine that interleaves the landing of a long observation with the token steps of its running rows;
-    returns whether the state was rebuilt (StopIteration's value). The chunks are a function of the tokens
-    and `chunk` alone, so a sequence's arithmetic does not depend on what else the engine runs."""
+    """Append tokens (an observation enc(y)) to a state through a prefill, a chunk of at most `chunk` tokens
+    at a time (0: in one piece), yielding between two chunks, for an engine that interleaves the landing of
+    a long observation with the token steps of its running rows; under the block policy a string that would
+    pass T is first cut to its last T − δ tokens. Returns whether the state was rebuilt (StopIteration's
+    value). The chunks are a function of the tokens and `chunk` alone, so a sequence's arithmetic does not
+    depend on what else the engine runs."""
     tokens = [int(i) for i in tokens]
     if not tokens:
         return False
@@ -285,8 +279,7 @@ def truncate_for_step(model, x, policy: ContextPolicy) -> bool:
 
 
 def _rebuild(model, x, tokens: list[int]) -> None:
-    for _ in _rebuild_steps(model, x, tokens):
-        pass
+    run_to_end(_rebuild_steps(model, x, tokens))
 
 
 def _rebuild_steps(model, x, tokens: list[int]):
