@@ -8,7 +8,7 @@ per second, time to first token (p50/p95) and time per output token after the fi
 Output tokens are counted by re-encoding each answer with the model's own tokenizer, the same
 measure for both. The ratios are printed; --out writes every figure as JSON.
 
-    python benchmarks/server_load.py [--clients 1,4,16] [--requests 2] [--max-tokens 64] [--threads 2]
+    python benchmarks/server_load.py [--model qwen2.5-coder-0.5b] [--clients 1,4,16] [--requests 2] [--max-tokens 64]
 """
 
 from __future__ import annotations
@@ -68,14 +68,15 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300
     raise SystemExit(f"server at {url} did not start: {log.read_text()[-2000:]}")
 
 
-def start_servers(gguf: str, threads: int, max_batch: int, logs: Path) -> dict:
+def start_servers(gguf: str, model: str, threads: int, max_batch: int, logs: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
     servers = {}
     port = free_port()
     log = logs / "hybridlm.log"
-    servers["hybridlm"] = dict(url=f"http://127.0.0.1:{port}/v1", model="smollm2-135m", log=log, proc=subprocess.Popen(
-        [sys.executable, "-m", "hybridlm.cli", "serve", "--port", str(port), "--max-batch", str(max_batch),
-         "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env))
+    servers["hybridlm"] = dict(url=f"http://127.0.0.1:{port}/v1", model=model, log=log, proc=subprocess.Popen(
+        [sys.executable, "-m", "hybridlm.cli", "serve", "--model", model, "--precision", "auto", "--port", str(port),
+         "--threads", str(threads), "--max-batch", str(max_batch), "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env))
     port = free_port()
     log = logs / "llama_cpp.log"
     servers["llama.cpp"] = dict(url=f"http://127.0.0.1:{port}/v1", model=gguf, log=log, proc=subprocess.Popen(
@@ -151,19 +152,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="smollm2-135m",
+                    help="the embedded model or a registry name (qwen2.5-coder-0.5b, gemma-3-270m): both servers load its GGUF")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     from hybridlm.weights.gguf import smollm2_path
     from hybridlm.weights.loading import load_model
+    from hybridlm.weights.registry import real_model_path
 
-    gguf = str(smollm2_path())
-    tokenizer = load_model().tokenizer
+    gguf = str(smollm2_path() if args.model == "smollm2-135m" else real_model_path(args.model))
+    tokenizer = load_model(args.model).tokenizer
     system = system_prompt(tokenizer, args.system_tokens)
     levels = [int(c) for c in args.clients.split(",")]
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as logs:
-        servers = start_servers(gguf, args.threads, args.max_batch, Path(logs))
+        servers = start_servers(gguf, args.model, args.threads, args.max_batch, Path(logs))
         try:
             for s in servers.values():  # warm: load, first prefill of the shared prompt
                 one_request(s, system, QUESTIONS[0], 4, tokenizer)

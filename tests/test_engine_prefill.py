@@ -6,12 +6,14 @@ the prefill written out (F over the whole prompt); steps are counted, never time
 """
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from hybridlm import Kernel
 from hybridlm.engine import ArcState, Engine, HybridSystem, Limits, PrefixCache
 from hybridlm.engine.clock import sequence
-from hybridlm.engine.prefill import prefill_steps
+from hybridlm.engine.prefill import prefill, prefill_steps, segments
 from hybridlm.errors import InputError
 
 CHUNK = 16
@@ -159,3 +161,136 @@ def test_warm_up_leaves_no_trace(toy_model):
     s = engine.add(sequence(toy_model, long, kernel=Kernel(greedy=True), max_new_tokens=6))
     engine.run()
     assert s.arc.tokens == _alone(toy_model, long, 6, CHUNK)
+
+
+# ---------------------------------------------------------------------- the grid: chunks of equal cost
+QWEN_LIKE = dict(family="qwen2", vocab_size=300, n_ctx=4096, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_mlp=160,
+                 norm="rmsnorm", positions="rotary", mlp="swiglu", attn_out_bias=False, mlp_bias=False)
+
+
+def test_token_cost_counts_the_flops_of_a_prefill_chunk():
+    """A config's token_cost against PyTorch's own FLOP counter on a prefill chunk deep in a context. With
+    a hook on the scores the attention is formed as explicit products, which the counter sees, over the
+    m queries and all n + m keys (a masked rectangle counted whole); so the chunk costs
+    2·L·affine·m·token_cost(n + m), where the counter finds the affine maps' share alone on the fused path."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hybridlm.lm.config import ModelConfig
+    from hybridlm.lm.model import DecoderLM, init_weights
+
+    cfg = ModelConfig(**QWEN_LIKE)
+    model = init_weights(DecoderLM(cfg))
+    looked = [(f"blocks.{i}.attn.hook_attn_scores", lambda s, hook: s) for i in range(cfg.n_layer)]
+    for n, m in [(0, 16), (100, 16), (1000, 40)]:
+        x = model.empty_state(1, capacity=n + m)
+        if n:
+            model.F(x, [i % 300 for i in range(n)])
+        copy = x.clone()
+        with FlopCounterMode(display=False) as fused:
+            model.F(x, [7] * m)
+        with model.hooks(looked), FlopCounterMode(display=False) as explicit:
+            model.F(copy, [7] * m)
+        affine = fused.get_total_flops() / (2 * cfg.n_layer * m)
+        assert affine == cfg.d_model * (cfg.n_head + 2 * cfg.n_kv_head) * cfg.d_head + cfg.n_head * cfg.d_head * cfg.d_model \
+            + 3 * cfg.d_model * cfg.d_mlp
+        assert explicit.get_total_flops() == pytest.approx(2 * cfg.n_layer * affine * m * cfg.token_cost(n + m), rel=1e-12)
+
+
+def test_a_local_block_reads_at_most_its_window():
+    from hybridlm.lm.config import ModelConfig
+
+    glob = ModelConfig(**QWEN_LIKE)
+    loc = ModelConfig(**{**QWEN_LIKE, "attention_layers": ("local", "global"), "local_window": 32})
+    assert loc.token_cost(32) == glob.token_cost(32)
+    # past the window only the global block's reads grow: half the growth of the all-global model
+    assert loc.token_cost(1032) - loc.token_cost(32) == pytest.approx((glob.token_cost(1032) - glob.token_cost(32)) / 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(1, 300), end=st.integers(1, 5000), local=st.booleans())
+def test_the_grid_cuts_cells_of_bounded_cost_by_position_alone(size, end, local):
+    from hybridlm.engine.prefill import grid
+    from hybridlm.lm.config import ModelConfig
+
+    cfg = ModelConfig(**{**QWEN_LIKE, **({"attention_layers": ("local", "global"), "local_window": 64} if local else {})})
+    cost = cfg.token_cost
+    cuts = grid(end, size, cost)
+    bounds = [0, *cuts, end]
+    assert all(0 < c < end for c in cuts) and cuts == sorted(set(cuts))
+    budget = size * cost(size)
+    for a, b in zip(bounds[:-2], bounds[1:-1]):  # every whole cell: within the budget, and as long as it can be
+        assert (b - a) * cost(b) <= budget * (1 + 1e-12) or b - a == 1  # (one token is one token)
+        assert b - a == size or (b - a + 1) * cost(b + 1) > budget
+    assert grid(end // 2 + 1, size, cost) == [c for c in cuts if c < end // 2 + 1]  # a prefix is cut the same way
+    assert grid(end, size) == list(range(size, end, size))  # no cost: the plain grid
+
+
+def test_a_deep_chunk_costs_what_a_first_one_does_and_holds_fewer_tokens():
+    """prefill_steps' chunks tile the prompt, each costing at most its first chunk's budget; deep in the
+    context they are shorter (SmolLM2-135M's shape)."""
+    from hybridlm.lm.config import ModelConfig
+    from hybridlm.lm.model import DecoderLM
+
+    cfg = ModelConfig(family="llama", vocab_size=64, n_ctx=8192, d_model=576, n_layer=30, n_head=9, n_kv_head=3,
+                      d_mlp=1536, norm="rmsnorm", positions="rotary", mlp="swiglu", attn_bias=False,
+                      attn_out_bias=False, mlp_bias=False)
+
+    class Shape(DecoderLM):  # the grid and the chunks, without computing: F only advances n
+        def F(self, x, w):
+            x.n += len(w)
+            return x
+
+    with torch.device("meta"):
+        model = Shape(cfg)
+    model.empty_state = lambda batch=1, capacity=64: type("X", (), {"n": 0})()
+    prompt = [1] * 6000
+    marks = list(range(40, 6000, 43))  # short messages, as in a long conversation
+    steps = prefill_steps(model, prompt, marks=marks, segment=256)
+    at = [next(steps)]
+    try:
+        while True:
+            at.append(next(steps))
+    except StopIteration:
+        pass
+    bounds = [*at, len(prompt)]
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    assert bounds[0] == 0 and sum(sizes) == len(prompt)
+    assert max(sizes[:3]) <= 256 and max(sizes[-5:]) < 100  # at depth ~6k a chunk holds about a third
+    parts = segments(len(prompt), marks, size=256, cost=cfg.token_cost)
+    for a, b in zip(bounds, bounds[1:]):  # a chunk is whole segments, whose costs sum within the budget
+        inside = [(i, j) for i, j in parts if a <= i < b]
+        assert inside[0][0] == a and inside[-1][1] == b
+        assert sum((j - i) * cfg.token_cost(j) for i, j in inside) <= 256 * cfg.token_cost(256) * (1 + 1e-12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(cuts=st.lists(st.integers(1, 10_000), max_size=60), marks=st.lists(st.integers(1, 10_000), max_size=200))
+def test_a_prefill_copies_its_state_a_bounded_number_of_times(cuts, marks):
+    """The first mark, the last mark and the last end are kept; every other copy is at least twice as long
+    as the one before it, so what is copied sums to less than the kept marks plus twice the last end."""
+    from hybridlm.engine.prefill import copied_ends
+
+    copied = sorted(copied_ends(cuts, marks))
+    ends = sorted(set(cuts) | set(marks))
+    assert set(copied) <= set(ends) and (not ends or ends[-1] in copied)
+    assert not marks or {min(marks), max(marks)} <= set(copied)
+    chain = [e for e in copied if e not in {min(marks, default=0), max(marks, default=0)}]
+    assert all(b >= 2 * a for a, b in zip(chain, chain[1:-1]))
+    assert sum(copied) <= 2 * (ends[-1] if ends else 0) + 2 * max(marks, default=0) + 2 * min(marks, default=0)
+
+
+def test_the_next_request_of_a_conversation_continues_its_last_message(toy_model):
+    """A conversation of many messages is copied a few times, not once per message, and its next request
+    (the reply and a new message appended) is prefilled from the end of its last message, to the bit."""
+    g = torch.Generator().manual_seed(5)
+    first = torch.randint(0, 50257, (400,), generator=g).tolist()
+    marks = list(range(10, 400, 13))  # 30 messages
+    cache = PrefixCache()
+    x = prefill(toy_model, first, marks=marks, cache=cache)
+    assert 2 <= len(cache) < 12
+    nxt = first + torch.randint(0, 50257, (30,), generator=g).tolist()
+    hit = prefill(toy_model, nxt, marks=[*marks, 415], cache=cache)
+    assert cache.hit_tokens == marks[-1]
+    cold = prefill(toy_model, nxt, marks=[*marks, 415])
+    assert torch.equal(hit.logits, cold.logits) and torch.equal(hit.keys(1), cold.keys(1))
+    assert x.n == 400

@@ -66,9 +66,10 @@ class EngineStats:
 class Engine:
     """Advances every sequence in q_G by one token step at a time, in one batch.
 
-    `prefill_chunk`: the most prompt tokens prefilled between two token steps of the running rows, and
-    the grid of the canonical segments (so of the prefix cache's keys); 0 prefills a prompt in one
-    piece, however long, while the running rows wait."""
+    `prefill_chunk`: what is prefilled between two token steps of the running rows, in tokens at the start
+    of a context (deeper in it a chunk is shorter, costing the same: `prefill.grid`), and the scale of the
+    canonical segments' grid (so of the prefix cache's keys); 0 prefills a prompt in one piece, however
+    long, while the running rows wait."""
 
     def __init__(self, model, *, max_batch: int = 64, priority: Priority | str = Priority.JUMPS,
                  context: ContextPolicy | str = ContextPolicy(), prefix_cache: PrefixCache | None = None,

@@ -1,8 +1,9 @@
 """How tokens enter a sequence's state: the prefill phase, prefix reuse, and the context horizon.
 
 Prefill in canonical segments. A prompt is prefilled segment by segment, with boundaries at
-every multiple of `SEGMENT` positions and at the marks the caller gives (the ends of chat
-messages). So the state after a prefix is always computed the same way, whatever follows it,
+the cuts of a grid that depends on positions alone (`grid`: cells of `SEGMENT` tokens at the start
+of a context, shorter ones deeper in it, where each token reads more keys) and at the marks the
+caller gives (the ends of chat messages). So the state after a prefix is always computed the same way, whatever follows it,
 and a cache of states keyed by their segments is exact to the last bit: by causal prefix
 invariance (docs/theory.md §3) the state of s is the state of its prefix p continued with the rest,
 and with the same segments it is the same arithmetic.
@@ -21,15 +22,16 @@ rebuild), after which δ ordinary steps follow; it is the default, with δ = T/8
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hybridlm.errors import InputError
+from hybridlm.lm.state import KVState
 
-SEGMENT = 256  # positions per canonical prefill segment (besides the caller's marks), by default
+SEGMENT = 256  # positions of the first canonical prefill segment (the grid's scale), by default
 
 
 # ---------------------------------------------------------------------- the context horizon
@@ -155,23 +157,65 @@ def _nbytes(state) -> int:
 
 def compact_copy(state):
     """A copy holding only the filled part of the state (a KVState's buffer trimmed to n)."""
-    copy = state.clone()
-    kv = getattr(copy, "kv", None)
-    if kv is not None and copy.n < kv.shape[4]:
-        with torch.inference_mode(False):
-            copy.kv = kv[..., : max(copy.n, 1), :].clone()
-    return copy
+    return state.clone(compact=True) if isinstance(state, KVState) else state.clone()
 
 
 # ---------------------------------------------------------------------- the prefill phase
-def segments(tokens: Sequence[int], marks: Iterable[int] = (), start: int = 0,
-             size: int = SEGMENT) -> list[tuple[int, int]]:
-    """The canonical segments [a, b) of tokens[start:]: boundaries at multiples of `size` and at the marks."""
-    end = len(tokens)
-    cuts = {b for b in range((start // size + 1) * size, end, size)}
+def grid(end: int, size: int = SEGMENT, cost: Callable[[int], float] | None = None) -> list[int]:
+    """The canonical grid's cuts in (0, end). From position 0 on, each cell is the longest whose tokens
+    cost no more than the first `size` tokens of a context, where a token reading n keys costs `cost(n)`
+    (a model config's `token_cost`; None: every token the same, cells of `size`). So a chunk deep in a
+    long context takes no longer than one at its start, and the cuts depend on positions alone: a prefix
+    is always cut the same way, whatever follows it."""
+    if cost is None:
+        return list(range(size, end, size))
+    budget = size * cost(size)
+    cuts: list[int] = []
+    p = 0
+    while True:
+        lo, hi = 1, size  # the longest s with s·cost(p + s) ≤ budget (a bound on its tokens' cost; it grows with s)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if mid * cost(p + mid) <= budget else (lo, mid - 1)
+        p += lo
+        if p >= end:
+            return cuts
+        cuts.append(p)
+
+
+def segments(end: int, marks: Iterable[int] = (), start: int = 0, size: int = SEGMENT,
+             cost: Callable[[int], float] | None = None) -> list[tuple[int, int]]:
+    """The canonical segments [a, b) of the positions start..end − 1: boundaries at the grid's cuts and at
+    the marks."""
+    cuts = {c for c in grid(end, size, cost) if c > start}
     cuts |= {int(m) for m in marks if start < int(m) < end}
     bounds = [start, *sorted(cuts), end]
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def copied_ends(cuts: Iterable[int], marks: Iterable[int]) -> set[int]:
+    """The segment ends at which a prefill leaves a copy of its state in the prefix cache. A copy costs
+    what it holds, so besides the first mark (a system prompt, a tool list: what prompts share most) and
+    the last end (what a conversation's next request continues), copies are spaced geometrically, each
+    at least twice as long as the one before: a prefill copies about twice its final state at most,
+    however many messages it holds, instead of a state per message."""
+    marks = sorted(set(marks))
+    ends = sorted(set(cuts) | set(marks))
+    copied = {marks[0], marks[-1]} if marks else set()
+    if ends:
+        copied.add(ends[-1])
+    last = 0
+    for e in ends:
+        if e >= 2 * last or e in copied:
+            copied.add(e)
+            last = e
+    return copied
+
+
+def token_cost(model) -> Callable[[int], float] | None:
+    """The model's cost of a token by the keys it reads (None where a token costs the same at any depth,
+    as in a recurrence)."""
+    return getattr(getattr(model, "config", None), "token_cost", None)
 
 
 def prefill(model, tokens: Sequence[int], *, marks: Iterable[int] = (), cache: PrefixCache | None = None,
@@ -199,10 +243,11 @@ def prefill_steps(model, tokens: Sequence[int], *, marks: Iterable[int] = (), ca
                   soft_prefix: torch.Tensor | None = None, policy: ContextPolicy = ContextPolicy(),
                   segment: int = SEGMENT):
     """`prefill` a chunk at a time, for an engine that interleaves a long prefill with the token steps
-    of its running rows: yields the tokens taken from the cache, then once after each chunk of at most
-    `segment` tokens (whole segments: a conversation's short ones go together); returns x_0
-    (StopIteration's value). `segment` is the grid of the canonical segments; the cache stays exact
-    whatever it is, since its keys are the segments themselves (a path of keys fixes the arithmetic)."""
+    of its running rows: yields the tokens taken from the cache, then once after each chunk that costs
+    no more than the first `segment` tokens of a context (whole segments: a conversation's short ones go
+    together); returns x_0 (StopIteration's value). `segment` is the scale of the canonical grid; the
+    cache stays exact whatever it is, since its keys are the segments themselves (a path of keys fixes
+    the arithmetic)."""
     tokens = [int(i) for i in tokens]
     if not tokens:
         raise InputError("empty prompt: a sequence needs at least one token")
@@ -221,7 +266,8 @@ def prefill_steps(model, tokens: Sequence[int], *, marks: Iterable[int] = (), ca
     if len(tokens) > T:
         shift = len(tokens) - keep
         tokens, marks = tokens[shift:], [m - shift for m in marks]
-    parts = segments(tokens, marks, size=segment)
+    cost = token_cost(model)
+    parts = segments(len(tokens), marks, size=segment, cost=cost)
     keys = [tuple(tokens[a:b]) for a, b in parts]
     x, done = None, 0
     if cache is not None:
@@ -231,27 +277,29 @@ def prefill_steps(model, tokens: Sequence[int], *, marks: Iterable[int] = (), ca
     if x is None:
         x = model.empty_state(1, capacity=len(tokens))
     yield x.n if done else 0
-    ends = {b for b in range(segment, len(tokens) + 1, segment)} | set(marks)
-    since = 0  # tokens prefilled since the last yield: short segments (messages) share one chunk
+    copied = copied_ends(grid(len(tokens) + 1, segment, cost), [m for m in marks if 0 < m <= len(tokens)])
+    budget = segment * (cost(segment) if cost else 1)
+    spent = 0.0  # the cost prefilled since the last yield: short segments (messages) share one chunk
     for i in range(done, len(parts)):
         a, b = parts[i]
-        if since and since + b - a > segment:
+        c = (b - a) * (cost(b) if cost else 1)
+        if spent and spent + c > budget:
             yield a
-            since = 0
+            spent = 0.0
         model.F(x, tokens[a:b])
-        since += b - a
-        if cache is not None and b in ends:  # (a prompt's own tail is no prefix of another's segments)
+        spent += c
+        if cache is not None and b in copied:  # (a prompt's own tail is no prefix of another's segments)
             cache.put(keys[: i + 1], x)
     return x
 
 
 @torch.no_grad()
 def inject_steps(model, x, tokens: Sequence[int], *, policy: ContextPolicy = ContextPolicy(), chunk: int = SEGMENT):
-    """Append tokens (an observation enc(y)) to a state through a prefill, a chunk of at most `chunk` tokens
-    at a time (0: in one piece), yielding between two chunks, for an engine that interleaves the landing of
+    """Append tokens (an observation enc(y)) to a state through a prefill, a cell of the canonical grid of
+    scale `chunk` at a time (0: in one piece), yielding between two chunks, for an engine that interleaves the landing of
     a long observation with the token steps of its running rows; under the block policy a string that would
     pass T is first cut to its last T − δ tokens. Returns whether the state was rebuilt (StopIteration's
-    value). The chunks are a function of the tokens and `chunk` alone, so a sequence's arithmetic does not
+    value). The chunks are a function of the tokens, the state's length and `chunk` alone, so a sequence's arithmetic does not
     depend on what else the engine runs."""
     tokens = [int(i) for i in tokens]
     if not tokens:
@@ -261,10 +309,12 @@ def inject_steps(model, x, tokens: Sequence[int], *, policy: ContextPolicy = Con
         yield from _rebuild_steps(model, x, (x.tokens[0].tolist() + tokens)[-policy.keep(T):])
         return True
     rebuilds = getattr(x, "rebuilds", 0)
-    for a, b in segments(tokens, size=chunk or len(tokens)):
-        if a:
+    n0 = getattr(x, "n", 0)
+    parts = segments(n0 + len(tokens), start=n0, size=chunk, cost=token_cost(model)) if chunk else [(n0, n0 + len(tokens))]
+    for a, b in parts:
+        if a > n0:
             yield
-        model.F(x, tokens[a:b])  # past T, F itself rebuilds from Π_T(s ∘ w): the exact policy
+        model.F(x, tokens[a - n0 : b - n0])  # past T, F itself rebuilds from Π_T(s ∘ w): the exact policy
     return getattr(x, "rebuilds", 0) > rebuilds
 
 
@@ -289,7 +339,7 @@ def _rebuild_steps(model, x, tokens: list[int]):
                          "shorten the prompt or the budget")
     x.reset()
     x.rebuilds += 1
-    for i, (a, b) in enumerate(segments(tokens)):
+    for i, (a, b) in enumerate(segments(len(tokens), cost=token_cost(model))):
         if i:
             yield
         model.F(x, tokens[a:b])

@@ -116,6 +116,16 @@ class ModelConfig:
             return self.local_window
         return None
 
+    def token_cost(self, keys: int) -> float:
+        """What one new token costs when it reads `keys` keys, in units of its affine maps (the
+        projections and the MLP, which cost the same at any depth): 1 + Σ_ℓ 2·N_h·d_k·min(keys, w_ℓ)
+        multiply-adds of its scores and A V over the L blocks' affine ones. A prefill chunk deep in
+        a context costs more than the same tokens at its start; this says by how much."""
+        d, H, d_k = self.d_model, self.n_head, self.d_head
+        affine = d * (H + 2 * self.n_kv_head) * d_k + H * d_k * d + (3 if self.mlp != "gelu" else 2) * d * self.d_mlp
+        reads = sum(min(keys, w) if (w := self.window(layer)) is not None else keys for layer in range(self.n_layer))
+        return 1.0 + 2 * H * d_k * reads / (self.n_layer * affine)
+
     def rope_base(self, layer: int) -> tuple[float, tuple[float, ...] | None]:
         """(base, divisors f_j) of block `layer`'s rotation."""
         if self.rope_local_theta is not None and self.window(layer) is not None:

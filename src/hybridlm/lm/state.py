@@ -135,11 +135,13 @@ class KVState:
 
     # ------------------------------------------------------------------ copies
     @_ordinary
-    def clone(self) -> "KVState":
-        """An independent copy: F updates a state in place, so keep x_t with x.clone()."""
+    def clone(self, *, compact: bool = False) -> "KVState":
+        """An independent copy: F updates a state in place, so keep x_t with x.clone(). `compact`: the
+        copy's buffer holds the filled part only (a kept state, e.g. a cached prefix), and only that
+        part is copied."""
         other = KVState.__new__(KVState)
         other.cfg, other.batch, other.n, other.rebuilds = self.cfg, self.batch, self.n, self.rebuilds
-        other.kv = self.kv.clone()
+        other.kv = (self.kv[..., : max(self.n, 1), :] if compact else self.kv).clone()
         other.tokens = self.tokens.clone()
         other.logits = None if self.logits is None else self.logits.clone()
         return other

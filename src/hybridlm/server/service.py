@@ -32,6 +32,7 @@ from hybridlm.engine.arc import Mode, Termination
 from hybridlm.engine.engine import Engine
 from hybridlm.engine.prefill import SEGMENT, ContextPolicy, PrefixCache, compact_copy
 from hybridlm.engine.sequence import ArcState
+from hybridlm.memory import return_freed_memory
 from hybridlm.server.wire import APIError
 
 log = logging.getLogger("hybridlm.server")
@@ -196,6 +197,7 @@ class Service:
         thread, 40 in another)."""
         engine = self.engine
         self._looping = True
+        was_busy = False
         try:
             while not self._stop.is_set():
                 engine.wait_for_work(0.05)
@@ -206,6 +208,12 @@ class Service:
                     log.exception("engine step failed")
                     self.engine.fail_all(exc)
                 self.counters.rate.append((time.perf_counter(), engine.stats.tokens))
+                if was_busy and not engine.busy:
+                    # idle: the heap's free pages (a long prompt's activations, ended states) go back to the
+                    # kernel, so a finished request leaves the resident size where it found it (the kept
+                    # prefixes aside); the next request pays their first touch again, milliseconds
+                    return_freed_memory()
+                was_busy = engine.busy
         finally:
             self._looping = False
             for s in engine.sequences():
