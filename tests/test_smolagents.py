@@ -76,3 +76,55 @@ def test_tool_calling_agent_calls_the_weather_tool_then_final_answer(qwen):
     for s in steps:
         extra = s.model_output_message.raw.model_extra["hybridlm"]
         assert extra["termination"] == ["jump_set"], extra
+
+
+def test_a_two_tool_task_is_rendered_as_transformers_renders_it(qwen):
+    """Each step of a task that needs both tools reaches the model as `transformers` renders the request
+    smolagents sent (its system prompt, the tools through Qwen's own template, its history), token for token.
+
+    What this pins down (docs/server.md): smolagents 1.26 writes its memory back as text, not as OpenAI tool
+    messages: an assistant turn "Calling tools:\n[{...}]" (a Python repr) and a user turn "Observation:\n...".
+    Qwen then never sees a call or a result in the `<tool_call>`/`<tool_response>` form it was trained on, and
+    after the first result it calls `final_answer`; llama.cpp on the same rendering picks the same name. The same
+    step with the call and result given as tool messages makes the model choose the converter.
+    """
+    from transformers import AutoTokenizer
+
+    from hybridlm.weights.registry import real_model_path
+
+    path = real_model_path(MODEL)
+    reference = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    sent: list[dict] = []  # the requests smolagents makes, as it hands them to the openai client
+    service = Service(qwen, model_id=MODEL)
+    with running(service) as url:
+        model = OpenAIServerModel(MODEL, api_base=url, api_key="unused", max_tokens=100, temperature=0,
+                                  client_kwargs={"max_retries": 0, "timeout": 600})
+        create = model.client.chat.completions.create
+        model.client.chat.completions.create = lambda **request: (sent.append(request), create(**request))[1]
+        agent = ToolCallingAgent(tools=[get_weather, celsius_to_fahrenheit], model=model, max_steps=3,
+                                 verbosity_level=-1)
+        result = agent.run("What is the weather in Rome now? Give the temperature in degrees Fahrenheit.",
+                           return_full_result=True)
+        arcs = [service.arcs.get(s.model_output_message.raw.model_extra["hybridlm"]["arcs"][0])
+                for s in agent.memory.steps if getattr(s, "model_output_message", None) is not None]
+    steps = [s for s in agent.memory.steps if hasattr(s, "tool_calls")]
+    calls = [[(c.name, c.arguments) for c in s.tool_calls or []] for s in steps]
+    print(f"smolagents on {MODEL}, two-tool task: calls {calls}, {result.timing.duration:.1f} s")
+    assert len(sent) == len(arcs) >= 2 and result.state == "success" and steps[-1].is_final_answer, calls
+    assert calls[0] == [("get_weather", {"city": "Rome"})] and steps[0].observations == WEATHER, calls
+    for body, arc in zip(sent, arcs):
+        assert body["tool_choice"] == "required" and [t["function"]["name"] for t in body["tools"]] == [
+            "get_weather", "celsius_to_fahrenheit", "final_answer"]
+        messages = [{**m, "content": _text(m["content"])} for m in body["messages"]]
+        text = reference.apply_chat_template(messages, tools=body["tools"], tokenize=False, add_generation_prompt=True)
+        assert reference.decode(arc.prompt) == text
+        assert arc.prompt == reference(text, add_special_tokens=False)["input_ids"]
+    # the history smolagents sends: its calls and results as text turns, never tool messages
+    history = [{**m, "content": _text(m["content"])} for m in sent[1]["messages"][2:]]
+    assert [m["role"] for m in history] == ["assistant", "user"], history
+    assert history[0]["content"].startswith("Calling tools:\n[{") and history[1]["content"] == f"Observation:\n{WEATHER}"
+
+
+def _text(content) -> str:
+    """A message's content as text (smolagents sends a list of text parts; Qwen's template reads a string)."""
+    return content if isinstance(content, str) else "".join(part["text"] for part in content)
