@@ -43,6 +43,19 @@ def celsius_to_fahrenheit(celsius: float) -> float:
     return celsius * 9 / 5 + 32
 
 
+@tool
+def get_temperature(city: str) -> float:
+    """The current temperature of a city, in degrees Celsius.
+
+    Args:
+        city: the city's name
+    """
+    return 23.0 if city.strip().lower() == "rome" else float("nan")
+
+
+TWO_TOOLS = "Get the temperature in Rome, then convert it to Fahrenheit."  # a task that needs both tools
+
+
 @pytest.fixture(scope="module")
 def qwen():
     from hybridlm import load_model
@@ -86,7 +99,7 @@ def test_a_two_tool_task_is_rendered_as_transformers_renders_it(qwen):
     messages: an assistant turn "Calling tools:\n[{...}]" (a Python repr) and a user turn "Observation:\n...".
     Qwen then never sees a call or a result in the `<tool_call>`/`<tool_response>` form it was trained on, and
     after the first result it calls `final_answer`; llama.cpp on the same rendering picks the same name. The same
-    step with the call and result given as tool messages makes the model choose the converter.
+    step with the call and result sent as tool messages makes the model choose the converter (the next test).
     """
     from transformers import AutoTokenizer
 
@@ -101,20 +114,19 @@ def test_a_two_tool_task_is_rendered_as_transformers_renders_it(qwen):
                                   client_kwargs={"max_retries": 0, "timeout": 600})
         create = model.client.chat.completions.create
         model.client.chat.completions.create = lambda **request: (sent.append(request), create(**request))[1]
-        agent = ToolCallingAgent(tools=[get_weather, celsius_to_fahrenheit], model=model, max_steps=3,
+        agent = ToolCallingAgent(tools=[get_temperature, celsius_to_fahrenheit], model=model, max_steps=3,
                                  verbosity_level=-1)
-        result = agent.run("What is the weather in Rome now? Give the temperature in degrees Fahrenheit.",
-                           return_full_result=True)
+        result = agent.run(TWO_TOOLS, return_full_result=True)
         arcs = [service.arcs.get(s.model_output_message.raw.model_extra["hybridlm"]["arcs"][0])
                 for s in agent.memory.steps if getattr(s, "model_output_message", None) is not None]
     steps = [s for s in agent.memory.steps if hasattr(s, "tool_calls")]
     calls = [[(c.name, c.arguments) for c in s.tool_calls or []] for s in steps]
     print(f"smolagents on {MODEL}, two-tool task: calls {calls}, {result.timing.duration:.1f} s")
     assert len(sent) == len(arcs) >= 2 and result.state == "success" and steps[-1].is_final_answer, calls
-    assert calls[0] == [("get_weather", {"city": "Rome"})] and steps[0].observations == WEATHER, calls
+    assert calls[0] == [("get_temperature", {"city": "Rome"})] and steps[0].observations == "23.0", calls
     for body, arc in zip(sent, arcs):
         assert body["tool_choice"] == "required" and [t["function"]["name"] for t in body["tools"]] == [
-            "get_weather", "celsius_to_fahrenheit", "final_answer"]
+            "get_temperature", "celsius_to_fahrenheit", "final_answer"]
         messages = [{**m, "content": _text(m["content"])} for m in body["messages"]]
         text = reference.apply_chat_template(messages, tools=body["tools"], tokenize=False, add_generation_prompt=True)
         assert reference.decode(arc.prompt) == text
@@ -122,7 +134,39 @@ def test_a_two_tool_task_is_rendered_as_transformers_renders_it(qwen):
     # the history smolagents sends: its calls and results as text turns, never tool messages
     history = [{**m, "content": _text(m["content"])} for m in sent[1]["messages"][2:]]
     assert [m["role"] for m in history] == ["assistant", "user"], history
-    assert history[0]["content"].startswith("Calling tools:\n[{") and history[1]["content"] == f"Observation:\n{WEATHER}"
+    assert history[0]["content"].startswith("Calling tools:\n[{") and history[1]["content"] == "Observation:\n23.0"
+
+
+def test_the_same_task_with_tool_messages_makes_both_calls(qwen):
+    """The task and tools of the test above, the calls and results sent back as OpenAI tool messages (the
+    openai client's own loop): Qwen chooses the converter itself after the first result, with its value, and
+    each request continues the arc of the one before (the server's state, not a new prefill)."""
+    import openai
+    from smolagents.default_tools import FinalAnswerTool
+    from smolagents.models import get_tool_json_schema
+
+    tools = {t.name: t for t in (get_temperature, celsius_to_fahrenheit, FinalAnswerTool())}
+    messages: list[dict] = [{"role": "user", "content": TWO_TOOLS}]
+    calls, arcs = [], []
+    with running(Service(qwen, model_id=MODEL)) as url:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+        for max_tokens in (100, 100, 1):  # the third request only shows that it continues the second arc
+            r = client.chat.completions.create(model=MODEL, messages=messages, tool_choice="required", temperature=0,
+                                               tools=[get_tool_json_schema(t) for t in tools.values()],
+                                               max_tokens=max_tokens)
+            ext = r.model_extra["hybridlm"]
+            assert ext.get("continued_from") == (arcs[-1] if arcs else None), (calls, ext)
+            arcs.append(ext["arcs"][0])
+            if max_tokens == 1:
+                break
+            (call,) = r.choices[0].message.tool_calls
+            calls.append((call.function.name, json.loads(call.function.arguments)))
+            result = tools[call.function.name](**calls[-1][1])
+            messages += [r.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": call.id, "content": str(result)}]
+    print(f"{MODEL} with tool messages: calls {calls}")
+    assert calls == [("get_temperature", {"city": "Rome"}), ("celsius_to_fahrenheit", {"celsius": 23.0})], calls
+    assert messages[-1]["content"] == str(23.0 * 9 / 5 + 32)
 
 
 def _text(content) -> str:
