@@ -8,6 +8,11 @@ Two tools are offered; the task needs one of them (the weather), then `final_ans
 rule of docs/server.md: after a call, a newline is not yet the next call, so each step makes the call the
 model chose and no other. (Before, the newline after Qwen's call was the separator of a next call only,
 and the mask made it write the converter's call and `final_answer` in the same turn, before any result.)
+
+A task that needs both tools does not get past the first result through smolagents, and the server is not why:
+each step's prompt is `transformers`' rendering of what smolagents sent, token for token, and smolagents sends
+its history as text turns, not tool messages. The same task with the calls and results sent as tool messages
+makes Qwen choose both tools (docs/server.md has the measurements).
 """
 
 import json
