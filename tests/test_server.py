@@ -310,6 +310,27 @@ def test_client_side_round_trip_continues_the_agents_arc(served, client, smollm2
     assert second.usage.prompt_tokens_details.cached_tokens > 0
 
 
+def test_every_round_trip_continues_the_arc_before_it(served, client):
+    """The second request that brings a result continues the arc of the first, as the first continued the
+    request before it: a continued arc's conversation is keyed as the client will send it back, not as the
+    model wrote it (tests/test_smolagents.py checks the same on Qwen, whose template takes the calls structured)."""
+    _, service = served
+    messages = ask("What is the weather in Paris, in Rome and in Oslo?")
+    arcs: list[str] = []
+    for result in ("sunny", "rainy", "snowing"):
+        hits = service.continuations.hits
+        r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=60, temperature=0)
+        ext = r.model_extra["hybridlm"]
+        assert r.choices[0].finish_reason == "tool_calls", (arcs, r.choices[0].message)
+        assert ext.get("continued_from") == (arcs[-1] if arcs else None)
+        assert service.continuations.hits == hits + bool(arcs)
+        arcs.append(ext["arcs"][0])
+        (call,) = r.choices[0].message.tool_calls
+        messages += [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": result}]
+
+
 def test_server_side_tools_run_the_agents_jump_map(smollm2):
     task = "What is 123456 * 789?"
     reg = registry(["calculator"])

@@ -92,12 +92,17 @@ class ClientTools:
     protocol: Protocol
     stops: tuple[str, ...] = ()
     repeats: bool = False  # a call identical to an earlier one of its turn is returned too
+    sent: list[dict] | None = None  # the request's conversation as the client sent it (`template_messages`)
+    start: int = 0  # where the turns of this arc begin in s.messages (after the request's conversation)
 
     def continuation(self, s, state) -> tuple[str, Continuation]:
         """What the service keeps of an arc that ended in D at a client-side call: the state, under
-        the key of the conversation the client will send back with the tool results (its calls as
-        the protocol gives them to the template), and the conversation with the turn as the model
-        wrote it (what the state holds, and what enc(y) continues)."""
+        the key of the conversation the client will send back with the tool results (the request's
+        conversation as the client sent it, then this turn's calls as the protocol gives them to the
+        template), and the conversation with the turn as the model wrote it (what the state holds, and
+        what enc(y) continues). The two differ where the arc continues an earlier one: s.messages holds
+        the earlier turns as the model wrote them, the client sends them back as structured calls
+        (the turns of the server's own jumps in this arc stay in the key: the client never sends them)."""
         turns = turns_of(s, self.tokenizer)
         view = render(turns, final=True, stops=self.stops, client_tools=self.names, codec=self.protocol.codec,
                       repeats=self.repeats)
@@ -105,7 +110,8 @@ class ClientTools:
         sent = self.protocol.assistant(view.content, [(c.name, c.arguments) for c in view.calls], ids)
         written = s.messages + [{"role": "assistant", "content": turns[-1]}]
         closed = bool(s.turn) and s.turn[-1] in s.stop_ids
-        return conversation_key(s.messages + [sent]), Continuation(state, written, ids, closed, s.name, s.t)
+        client = s.messages if self.sent is None else self.sent + s.messages[self.start:]
+        return conversation_key(client + [sent]), Continuation(state, written, ids, closed, s.name, s.t)
 
 
 def call_id(s, index: int) -> str:

@@ -259,7 +259,9 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
     offer = Offer(tools=tuple({**t, "server": "client"} if t["name"] in client_tools else t for t in offered),
                   choice=choice, parallel=parallel, calls=bool(offered), answer_schema=schema, answer_grammar=grammar,
                   stops=stops, repeats=service.repeat_calls)
-    elsewhere = C.ClientTools(client_tools, tok, protocol, stops, service.repeat_calls) if client_tools else None
+    sent = tmpl if entry is None else C.template_messages(messages, protocol)  # (the key of what comes back)
+    elsewhere = C.ClientTools(client_tools, tok, protocol, stops, service.repeat_calls, sent, len(tmpl)) \
+        if client_tools else None
     run = None
     if server:
         tools = service.tools
