@@ -93,3 +93,30 @@ def test_the_lenient_reference_reads_a_json_block_or_bare_json():
     tagged = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
     assert strict.parsed(tagged, ["f"]) == lenient.parsed(tagged, ["f"]) == [{"f": {"x": 1}}]
     assert strict.parsed(text, ["f", "g"]) == [] and len(lenient.parsed(text, ["f", "g"])) == 3
+
+
+def test_the_agent_prompt_of_a_task_is_the_tasks_own_conversation_as_transformers_renders_it():
+    """Qwen2.5's template given the tools: the agent's prompt for a task (no system message of the project's
+    own; the task's system message where it has one) is byte for byte `transformers`' rendering of the task's
+    own messages with its tools, as a client of llama.cpp's or vLLM's server would send them."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from hybridlm.turns import Protocol
+    from hybridlm.turns.codecs import detect
+    from hybridlm.weights.gguf_header import read_header
+    from hybridlm.weights.registry import real_model_path
+    from hybridlm.weights.vocab import tokenizer_from_metadata
+
+    tok = tokenizer_from_metadata(read_header(real_model_path("qwen2.5-coder-0.5b")).metadata, name="qwen2.5")
+    live = bfcl.tasks("live_simple")
+    chosen = [bfcl.tasks("simple_python", limit=1)[0], next(t for t in live if t.system)]
+    for task in chosen:
+        schemas = [{"name": f["name"], "description": f.get("description", ""),
+                    "parameters": bfcl.json_schema(f["parameters"])} for f in task.functions]
+        protocol = Protocol(tok, schemas, example=False, codec=detect(tok.chat_template), system=task.system)
+        assert protocol.templated
+        ours = tok.render_chat(protocol.messages(task.question), tools=protocol.tools(), add_generation_prompt=True)
+        (theirs,), _ = render_jinja_template([task.messages], tools=protocol.tools(), chat_template=tok.chat_template,
+                                             add_generation_prompt=True, bos_token="", eos_token="<|im_end|>")
+        assert ours == theirs, task.id
+        assert ("You are Qwen" in ours) == (not task.system)

@@ -61,8 +61,13 @@ class Task:
 
     @property
     def question(self) -> str:
-        """The task as one text for the agent: the user turns (and any system text) joined."""
-        return "\n".join(m["content"] for m in self.messages if m.get("content"))
+        """The task as one text for the agent: its user turns joined."""
+        return "\n".join(m["content"] for m in self.messages if m.get("content") and m.get("role") != "system")
+
+    @property
+    def system(self) -> str:
+        """The task's own system text ("" for none): the agent's system message, as BFCL sends it."""
+        return "\n".join(m["content"] for m in self.messages if m.get("content") and m.get("role") == "system")
 
 
 # ---------------------------------------------------------------------- data and checker
@@ -189,7 +194,7 @@ class HybridRunner:
         parallel = task.category == "parallel"  # several calls in the one turn: jumps at one token step
         calls = PARALLEL_HORIZON if parallel else 1
         agent = HybridAgent(self.model, tools, tool_choice="required", constrain=self.constrained,
-                            parallel_tool_calls=parallel,
+                            parallel_tool_calls=parallel, system=task.system,
                             limits=Limits(max_token_steps=self.max_token_steps * min(calls, 2), max_jumps=calls,
                                           max_jumps_per_step=calls))
         arc = agent.run(task.question)
