@@ -15,7 +15,9 @@ def first(accepted: dict) -> dict:
     """The first accepted value of each parameter ("" marks an optional one left out), nested dicts too."""
     out = {}
     for k, v in accepted.items():
-        if v and v[0] != "":
+        if not isinstance(v, list):  # (a few nested answers give a value itself)
+            out[k] = v
+        elif v and v[0] != "":
             out[k] = first(v[0]) if isinstance(v[0], dict) else v[0]
     return out
 
@@ -25,12 +27,16 @@ def first_answer(task):
 
 
 @pytest.mark.parametrize("category, n", [("simple_python", 400), ("live_simple", 258), ("multiple", 200),
-                                         ("parallel", 200)])
+                                         ("parallel", 200), ("parallel_multiple", 200), ("live_multiple", 1053),
+                                         ("live_parallel", 16), ("live_parallel_multiple", 24)])
 def test_the_checker_accepts_the_ground_truth_and_the_mapped_schema_admits_it(category, n):
     tasks = bfcl.tasks(category)
     assert len(tasks) == n
     for task in tasks[:40]:
         calls = first_answer(task)
+        declared = {f["name"]: set(f["parameters"].get("properties", {})) for f in task.functions}
+        if any(set(args) - declared[name] for call in calls for name, args in call.items()):
+            continue  # a few answers name a parameter their function does not declare (BFCL's data)
         assert bfcl.check(task, calls)["valid"], task.id
         schemas = {f["name"]: bfcl.json_schema(f["parameters"]) for f in task.functions}
         for call in calls:

@@ -38,7 +38,10 @@ from hybridlm.errors import InputError
 if TYPE_CHECKING:
     from hybridlm.turns.codecs import ToolCall
 
-CATEGORIES = ("simple_python", "multiple", "parallel", "live_simple")
+# BFCL's single-turn Python categories, which its AST checker scores ("parallel" in a name: several calls
+# in the turn, in any order; "multiple": one call, several functions offered)
+CATEGORIES = ("simple_python", "multiple", "parallel", "live_simple", "parallel_multiple", "live_multiple",
+              "live_parallel", "live_parallel_multiple")
 INSTALL = "pip install --no-deps 'bfcl-eval>=2025'"
 PARALLEL_HORIZON = 5  # jumps allowed in a parallel task (a fixed horizon: the answer's count is not told)
 
@@ -191,7 +194,7 @@ class HybridRunner:
         for f in task.functions:
             tools.register(Tool(f["name"], f.get("description", ""), json_schema(f["parameters"]), _answered,
                                 runs_in="thread"))
-        parallel = task.category == "parallel"  # several calls in the one turn: jumps at one token step
+        parallel = "parallel" in task.category  # several calls in the one turn: jumps at one token step
         calls = PARALLEL_HORIZON if parallel else 1
         agent = HybridAgent(self.model, tools, tool_choice="required", constrain=self.constrained,
                             parallel_tool_calls=parallel, system=task.system,
@@ -276,7 +279,7 @@ class LlamaCppRunner:
         if not any(m.get("role") == "system" for m in messages):
             messages = [{"role": "system", "content": REFERENCE_SYSTEM}, *messages]
         choice = ({"type": "function", "function": {"name": tools[0]["function"]["name"]}} if len(tools) == 1
-                  and task.category != "parallel" else "auto")
+                  and "parallel" not in task.category else "auto")
         reply = self.llm.create_chat_completion(messages=messages, tools=tools, tool_choice=choice,
                                                 temperature=0.0, max_tokens=self.max_tokens)
         calls = []
