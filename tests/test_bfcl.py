@@ -128,13 +128,13 @@ def test_the_agent_prompt_of_a_task_is_the_tasks_own_conversation_as_transformer
         assert ("You are Qwen" in ours) == (not task.system)
 
 
-def test_parallel_calls_made_one_per_turn_end_at_the_first_repeat():
-    """A parallel task answered one call per turn: the calls after the first repeat are dropped, and BFCL's
-    checker then accepts what it refused with the repeats."""
+def test_parallel_calls_made_one_per_turn_are_read_without_repeats():
+    """A parallel task answered one call per turn with repeats: read without them, in the order first made,
+    BFCL's checker accepts what it refused with the repeats."""
     task = bfcl.tasks("parallel", limit=1)[0]
     calls = first_answer(task)
     assert len(calls) >= 2 and bfcl.check(task, calls)["valid"]
-    made = calls + [calls[0], calls[1]]
+    made = [calls[0], calls[0], *calls[1:], calls[1]]
     assert not bfcl.check(task, made)["valid"]
-    assert bfcl.until_repeated(made) == calls and bfcl.check(task, bfcl.until_repeated(made))["valid"]
-    assert bfcl.until_repeated([]) == []
+    assert bfcl.distinct(made) == calls and bfcl.check(task, bfcl.distinct(made))["valid"]
+    assert bfcl.distinct([]) == []

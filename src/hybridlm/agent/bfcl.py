@@ -201,18 +201,17 @@ class HybridRunner:
                             limits=Limits(max_token_steps=self.max_token_steps * min(calls, 2), max_jumps=calls,
                                           max_jumps_per_step=calls))
         arc = agent.run(task.question)
-        return until_repeated([{j.tool: j.arguments} for j in arc.jumps if isinstance(j.arguments, dict)])
+        return distinct([{j.tool: j.arguments} for j in arc.jumps if isinstance(j.arguments, dict)])
 
 
-def until_repeated(calls: list[dict]) -> list[dict]:
-    """The calls up to the first that repeats an earlier one. A model that makes a turn's parallel calls one
-    per turn instead, each after the previous one's result (Qwen2.5-Coder-0.5B does), goes on repeating
-    them once it has made them all; a repeated call adds nothing to the answer."""
+def distinct(calls: list[dict]) -> list[dict]:
+    """The calls without repeats, in the order first made. A model that makes a turn's parallel calls one per
+    turn instead, each after the previous one's result (Qwen2.5-Coder-0.5B does), repeats calls it has
+    already made; a repeated call adds nothing to the answer."""
     out: list[dict] = []
     for call in calls:
-        if call in out:
-            break
-        out.append(call)
+        if call not in out:
+            out.append(call)
     return out
 
 
