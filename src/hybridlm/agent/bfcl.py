@@ -194,7 +194,7 @@ class HybridRunner:
         for f in task.functions:
             tools.register(Tool(f["name"], f.get("description", ""), json_schema(f["parameters"]), _answered,
                                 runs_in="thread"))
-        parallel = "parallel" in task.category  # several calls in the one turn: jumps at one token step
+        parallel = "parallel" in task.category  # several calls: in one turn (jumps at one token step) or over turns
         calls = PARALLEL_HORIZON if parallel else 1
         agent = HybridAgent(self.model, tools, tool_choice="required", constrain=self.constrained,
                             parallel_tool_calls=parallel, system=task.system,
