@@ -95,6 +95,7 @@ class HybridAgent:
         context: ContextPolicy | str = ContextPolicy(),
         prefix_cache: PrefixCache | None = None,
         codec: CallCodec | None = None,
+        system: str = "",
     ) -> None:
         if getattr(model, "tokenizer", None) is None:
             raise InputError("the agent needs a model with a tokenizer and a chat template")
@@ -110,7 +111,7 @@ class HybridAgent:
         self.parallel = parallel_tool_calls  # several calls in a turn (each a jump, observations in order)
         self.record_states = record_states and hasattr(model, "hooks")
         self.tokenizer = model.tokenizer
-        self.protocol = Protocol(self.tokenizer, tools, example=example, codec=self.codec)
+        self.protocol = Protocol(self.tokenizer, tools, example=example, codec=self.codec, system=system)
         self.stop_ids = frozenset(self.tokenizer.stop_ids())
         self.controllers = list(controllers or [])
         if self.controllers and ControlLoop(model, self.controllers, kernel=kernel).prefix is not None:

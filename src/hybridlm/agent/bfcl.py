@@ -38,7 +38,10 @@ from hybridlm.errors import InputError
 if TYPE_CHECKING:
     from hybridlm.turns.codecs import ToolCall
 
-CATEGORIES = ("simple_python", "multiple", "parallel", "live_simple")
+# BFCL's single-turn Python categories, which its AST checker scores ("parallel" in a name: several calls
+# in the turn, in any order; "multiple": one call, several functions offered)
+CATEGORIES = ("simple_python", "multiple", "parallel", "live_simple", "parallel_multiple", "live_multiple",
+              "live_parallel", "live_parallel_multiple")
 INSTALL = "pip install --no-deps 'bfcl-eval>=2025'"
 PARALLEL_HORIZON = 5  # jumps allowed in a parallel task (a fixed horizon: the answer's count is not told)
 
@@ -61,8 +64,13 @@ class Task:
 
     @property
     def question(self) -> str:
-        """The task as one text for the agent: the user turns (and any system text) joined."""
-        return "\n".join(m["content"] for m in self.messages if m.get("content"))
+        """The task as one text for the agent: its user turns joined."""
+        return "\n".join(m["content"] for m in self.messages if m.get("content") and m.get("role") != "system")
+
+    @property
+    def system(self) -> str:
+        """The task's own system text ("" for none): the agent's system message, as BFCL sends it."""
+        return "\n".join(m["content"] for m in self.messages if m.get("content") and m.get("role") == "system")
 
 
 # ---------------------------------------------------------------------- data and checker
@@ -186,14 +194,25 @@ class HybridRunner:
         for f in task.functions:
             tools.register(Tool(f["name"], f.get("description", ""), json_schema(f["parameters"]), _answered,
                                 runs_in="thread"))
-        parallel = task.category == "parallel"  # several calls in the one turn: jumps at one token step
+        parallel = "parallel" in task.category  # several calls: in one turn (jumps at one token step) or over turns
         calls = PARALLEL_HORIZON if parallel else 1
         agent = HybridAgent(self.model, tools, tool_choice="required", constrain=self.constrained,
-                            parallel_tool_calls=parallel,
+                            parallel_tool_calls=parallel, system=task.system,
                             limits=Limits(max_token_steps=self.max_token_steps * min(calls, 2), max_jumps=calls,
                                           max_jumps_per_step=calls))
         arc = agent.run(task.question)
-        return [{j.tool: j.arguments} for j in arc.jumps if isinstance(j.arguments, dict)]
+        return distinct([{j.tool: j.arguments} for j in arc.jumps if isinstance(j.arguments, dict)])
+
+
+def distinct(calls: list[dict]) -> list[dict]:
+    """The calls without repeats, in the order first made. A model that makes a turn's parallel calls one per
+    turn instead, each after the previous one's result (Qwen2.5-Coder-0.5B does), repeats calls it has
+    already made; a repeated call adds nothing to the answer."""
+    out: list[dict] = []
+    for call in calls:
+        if call not in out:
+            out.append(call)
+    return out
 
 
 def _answered(**_) -> str:
@@ -271,7 +290,7 @@ class LlamaCppRunner:
         if not any(m.get("role") == "system" for m in messages):
             messages = [{"role": "system", "content": REFERENCE_SYSTEM}, *messages]
         choice = ({"type": "function", "function": {"name": tools[0]["function"]["name"]}} if len(tools) == 1
-                  and task.category != "parallel" else "auto")
+                  and "parallel" not in task.category else "auto")
         reply = self.llm.create_chat_completion(messages=messages, tools=tools, tool_choice=choice,
                                                 temperature=0.0, max_tokens=self.max_tokens)
         calls = []

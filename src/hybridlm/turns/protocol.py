@@ -62,8 +62,8 @@ class Protocol:
     in the call format of `codec`."""
 
     def __init__(self, tokenizer, tools: Iterable = (), *, example: bool = True,
-                 codec: CallCodec = TAGGED_JSON) -> None:
-        self.tokenizer, self.codec = tokenizer, codec
+                 codec: CallCodec = TAGGED_JSON, system: str = "") -> None:
+        self.tokenizer, self.codec, self.system = tokenizer, codec, system
         self.schemas = [schema_of(t) for t in tools]
         self.example = example and any(s["name"] == "calculator" for s in self.schemas)
         #: the template renders the tools, calls and results (else the codec's system prompt and wrapping)
@@ -80,9 +80,13 @@ class Protocol:
         return CALCULATOR_RULE if any(s["name"] == "calculator" for s in self.schemas) else ""
 
     def system_prompt(self) -> str:
+        """The system message's text (the caller's `system` first); "" for none where the template lists the
+        tools and no rule is added: the template's own default then, the one the model was trained on (and
+        what a client that sends no system message gets from llama.cpp's or vLLM's server)."""
         if self.templated and self.schemas:
-            return NO_TOOLS + "\n" + self.rules()
-        return self.tools_prompt() or NO_TOOLS
+            rules = self.rules()
+            return (self.system or NO_TOOLS) + "\n" + rules if rules else self.system
+        return "\n".join(t for t in (self.system, self.tools_prompt()) if t) or NO_TOOLS
 
     def assistant(self, text: str, calls: Sequence[tuple[str, str]], ids: Sequence[str] = ()) -> dict:
         """An assistant turn with its calls ((name, arguments' JSON text) each), as the template takes it."""
@@ -111,7 +115,8 @@ class Protocol:
         return out
 
     def messages(self, task: str) -> list[dict]:
-        msgs = [{"role": "system", "content": self.system_prompt()}]
+        system = self.system_prompt()
+        msgs = [{"role": "system", "content": system}] if system else []
         if self.example:
             msgs += self.examples()
         return msgs + [{"role": "user", "content": task}]
