@@ -169,3 +169,16 @@ def test_cli_consensus_and_table1(tmp_path, toy_hub):
     assert [line.split()[0] for line in r.output.strip().splitlines()] == ["1", "2", "4", "10"]
     r = CliRunner().invoke(cli, ["consensus", "--model", str(toy_hub[0])])
     assert r.exit_code == 2 and "--out" in r.output
+
+
+def test_random_run_model_is_drawn_once_from_the_run_seed():
+    """A run on random:<preset> / random-<family>:<size> weights gets the loader's draw from its seed: the
+    same weights as a model loaded with any seed and redrawn with the run's."""
+    from hybridlm.analysis.consensus import reinit
+
+    cfg = R.ConsensusConfig(model="random-ssm:tiny", weights="random-fixed", seed=4)
+    got = R.prepare_model(cfg, "cpu")
+    want = load_model("random-ssm:tiny")
+    reinit(want, 4)
+    assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), want.state_dict().values(), strict=True))
+    assert not torch.equal(got.W_e, load_model("random-ssm:tiny").W_e)

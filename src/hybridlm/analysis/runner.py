@@ -20,6 +20,7 @@ from __future__ import annotations
 import csv
 import json
 import platform
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -69,9 +70,11 @@ def prepare_model(cfg: ConsensusConfig, device: str):
     from hybridlm.lm.sphere_block import select_block
     from hybridlm.weights.loading import load_model
 
-    model = load_model(cfg.model, device=device)
+    # random:<preset> / random-<family>:<size>: the loader draws them from the seed (once, not twice)
+    drawn = cfg.weights != "pretrained" and re.match(r"random(-\w+)?:", cfg.model) is not None
+    model = load_model(cfg.model, device=device, **({"seed": cfg.seed} if drawn else {}))
     check_horizon(model, cfg)
-    if cfg.weights != "pretrained":
+    if cfg.weights != "pretrained" and not drawn:
         reinit(model, cfg.seed)
     return select_block(model, cfg.block)
 

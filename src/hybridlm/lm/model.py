@@ -421,9 +421,10 @@ def init_weights(model: DecoderLM, seed: int = 0, *, part: nn.Module | None = No
 
 
 def _normal_(p: torch.Tensor, std: float, g: torch.Generator) -> None:
-    """p ← randn(p.shape) · std, drawn in place where p is contiguous (no new tensor: a 2.7B-parameter
-    model is redrawn every pass); a transposed view (a tied embedding) is drawn in its own index order."""
-    if p.is_contiguous():
+    """p ← randn(p.shape) · std from the CPU generator g: in place where p is a contiguous float32 CPU
+    tensor (no new tensor: a 2.7B-parameter model is redrawn every pass); otherwise (a transposed view
+    such as a tied embedding, another dtype or device) drawn in float32 in index order and copied."""
+    if p.is_contiguous() and p.dtype == torch.float32 and p.device.type == "cpu":
         p.normal_(0.0, std, generator=g)
     else:
-        p.copy_(torch.empty(p.shape, dtype=p.dtype).normal_(0.0, std, generator=g))
+        p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=g))
