@@ -72,7 +72,7 @@ def prepare_model(cfg: ConsensusConfig, device: str):
 
     # random:<preset> / random-<family>:<size>: the loader draws them from the seed (once, not twice)
     drawn = cfg.weights != "pretrained" and re.match(r"random(-\w+)?:", cfg.model) is not None
-    model = load_model(cfg.model, device=device, **({"seed": cfg.seed} if drawn else {}))
+    model = load_model(cfg.model, device=device, seed=cfg.seed if drawn else 0)
     check_horizon(model, cfg)
     if cfg.weights != "pretrained" and not drawn:
         reinit(model, cfg.seed)
