@@ -182,3 +182,20 @@ def test_random_run_model_is_drawn_once_from_the_run_seed():
     reinit(want, 4)
     assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), want.state_dict().values(), strict=True))
     assert not torch.equal(got.W_e, load_model("random-ssm:tiny").W_e)
+
+
+def test_compare_csv_holds_each_runs_mean_E(tmp_path, monkeypatch):
+    """plot_compare(data=True): one column per run, its consensus.csv's E_mean at each layer-step, empty past
+    the passes a shorter (unfinished) run has."""
+    tiny_model = tiny()
+    monkeypatch.setattr(R, "prepare_model", lambda cfg, device: tiny_model)
+    for name, passes in (("long", 4), ("short", 2)):
+        R.run_consensus(R.ConsensusConfig(model="tiny", weights="random-fixed", prompts=2, prompt_len=8, passes=passes),
+                        tmp_path / name, progress=False)
+    png = R.plot_compare({"long run": tmp_path / "long", "short run": tmp_path / "short"}, tmp_path / "cmp.png", data=True)
+    table = list(csv.DictReader(open(png.with_suffix(".csv"))))
+    assert list(table[0]) == ["layer_step", "long run", "short run"] and len(table) == 1 + 4 * 3
+    for name, column in (("long", "long run"), ("short", "short run")):
+        rows = list(csv.DictReader(open(tmp_path / name / "consensus.csv")))
+        assert [float(t[column]) for t in table[:len(rows)]] == [float(r["E_mean"]) for r in rows]
+    assert [t["short run"] for t in table[7:]] == [""] * 6
