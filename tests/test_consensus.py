@@ -62,6 +62,48 @@ def test_redrawn_weights_change_each_pass_deterministically():
     assert torch.equal(a, m.blocks[0].attn.W_qkv.weight)
 
 
+def test_random_weights_are_gpt2_normals_drawn_in_place():
+    """GPT-2's initialisation, closed form: weights N(0, σ²), residual projections N(0, σ²/(2L)), biases 0,
+    gains 1; each tensor holds what `torch.randn(shape) · σ` draws from the seeded stream, in order."""
+    m = tiny(d_model=64)
+    from hybridlm.lm.model import init_weights
+
+    init_weights(m, seed=11)
+    g = torch.Generator().manual_seed(11)
+    sigma, L = m.config.init_std, m.config.n_layer
+    drawn = 0
+    for name, p in m.named_parameters():
+        if name.endswith("bias"):
+            assert not p.any()
+        elif ("ln" in name or "norm" in name) and p.dim() == 1:
+            assert torch.equal(p, torch.ones_like(p))
+        else:
+            s = sigma / (2 * L) ** 0.5 if name.endswith(("W_O.weight", "W_proj.weight", "W_down.weight")) else sigma
+            assert torch.equal(p, torch.randn(p.shape, generator=g) * s), name
+            if p.numel() >= 4096:  # mean within 5 standard errors, std within 5 % (n ≥ 4096)
+                assert abs(p.mean().item()) < 5 * s / p.numel() ** 0.5, name
+                assert abs(p.std().item() / s - 1) < 0.05, name
+            drawn += p.numel()
+    assert drawn > m.num_parameters() // 2
+
+
+def test_attention_only_redraw_skips_the_unused_mlp():
+    """Attention only, a pass draws the blocks' attention and leaves the MLPs as they are; the draw is
+    reproducible under its seed and has the initialisation's σ."""
+    m = tiny(d_model=64)
+    mlp = [p.clone() for p in m.blocks[0].mlp.parameters()]
+    C.redraw(m, 5, attention_only=True)
+    a = m.blocks[1].attn.W_qkv.weight.clone()
+    assert [torch.equal(x, y) for x, y in zip(mlp, m.blocks[0].mlp.parameters())] == [True] * len(mlp)
+    assert abs(a.std().item() / m.config.init_std - 1) < 0.05
+    C.redraw(m, 6, attention_only=True)
+    assert not torch.equal(a, m.blocks[1].attn.W_qkv.weight)
+    C.redraw(m, 5, attention_only=True)
+    assert torch.equal(a, m.blocks[1].attn.W_qkv.weight)
+    C.redraw(m, 5)  # the full redraw draws the MLPs too
+    assert not torch.equal(mlp[0], next(m.blocks[0].mlp.parameters()))
+
+
 def test_consensus_is_reached_by_random_attention_loops():
     """Random fixed weights, attention only: E(k) decays towards 0 (the survey's Fig. 8, docs/theory.md §5.3)."""
     m = tiny()
@@ -127,3 +169,33 @@ def test_cli_consensus_and_table1(tmp_path, toy_hub):
     assert [line.split()[0] for line in r.output.strip().splitlines()] == ["1", "2", "4", "10"]
     r = CliRunner().invoke(cli, ["consensus", "--model", str(toy_hub[0])])
     assert r.exit_code == 2 and "--out" in r.output
+
+
+def test_random_run_model_is_drawn_once_from_the_run_seed():
+    """A run on random:<preset> / random-<family>:<size> weights gets the loader's draw from its seed: the
+    same weights as a model loaded with any seed and redrawn with the run's."""
+    from hybridlm.analysis.consensus import reinit
+
+    cfg = R.ConsensusConfig(model="random-ssm:tiny", weights="random-fixed", seed=4)
+    got = R.prepare_model(cfg, "cpu")
+    want = load_model("random-ssm:tiny")
+    reinit(want, 4)
+    assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), want.state_dict().values(), strict=True))
+    assert not torch.equal(got.W_e, load_model("random-ssm:tiny").W_e)
+
+
+def test_compare_csv_holds_each_runs_mean_E(tmp_path, monkeypatch):
+    """plot_compare(data=True): one column per run, its consensus.csv's E_mean at each layer-step, empty past
+    the passes a shorter (unfinished) run has."""
+    tiny_model = tiny()
+    monkeypatch.setattr(R, "prepare_model", lambda cfg, device: tiny_model)
+    for name, passes in (("long", 4), ("short", 2)):
+        R.run_consensus(R.ConsensusConfig(model="tiny", weights="random-fixed", prompts=2, prompt_len=8, passes=passes),
+                        tmp_path / name, progress=False)
+    png = R.plot_compare({"long run": tmp_path / "long", "short run": tmp_path / "short"}, tmp_path / "cmp.png", data=True)
+    table = list(csv.DictReader(open(png.with_suffix(".csv"))))
+    assert list(table[0]) == ["layer_step", "long run", "short run"] and len(table) == 1 + 4 * 3
+    for name, column in (("long", "long run"), ("short", "short run")):
+        rows = list(csv.DictReader(open(tmp_path / name / "consensus.csv")))
+        assert [float(t[column]) for t in table[:len(rows)]] == [float(r["E_mean"]) for r in rows]
+    assert [t["short run"] for t in table[7:]] == [""] * 6

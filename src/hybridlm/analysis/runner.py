@@ -20,6 +20,7 @@ from __future__ import annotations
 import csv
 import json
 import platform
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -69,9 +70,11 @@ def prepare_model(cfg: ConsensusConfig, device: str):
     from hybridlm.lm.sphere_block import select_block
     from hybridlm.weights.loading import load_model
 
-    model = load_model(cfg.model, device=device)
+    # random:<preset> / random-<family>:<size>: the loader draws them from the seed (once, not twice)
+    drawn = cfg.weights != "pretrained" and re.match(r"random(-\w+)?:", cfg.model) is not None
+    model = load_model(cfg.model, device=device, seed=cfg.seed if drawn else 0)
     check_horizon(model, cfg)
-    if cfg.weights != "pretrained":
+    if cfg.weights != "pretrained" and not drawn:
         reinit(model, cfg.seed)
     return select_block(model, cfg.block)
 
@@ -311,20 +314,30 @@ def _bar(total: int, done: int, enabled: bool):
     return tqdm(total=total, initial=done, disable=not enabled, unit="layer-step", desc="consensus")
 
 
-def plot_compare(runs: dict[str, str | Path], out: str | Path, *, title: str = "") -> Path:
+def plot_compare(runs: dict[str, str | Path], out: str | Path, *, title: str = "", data: bool = False) -> Path:
     """Mean E(k) of several consensus runs (label → output folder) on one axes, e.g. a
-    transformer beside a selective SSM and a hybrid stack; returns the PNG's path."""
+    transformer beside a selective SSM and a hybrid stack; returns the PNG's path. With `data`,
+    the curves also go to a CSV beside it (layer_step, then one column of mean E per run, empty
+    past the last pass a run finished)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.6), dpi=120)
+    curves: dict[str, dict[int, str]] = {}
     for label, folder in runs.items():
         rows = read_rows(Path(folder))
         if not rows:
             raise InputError(f"{folder} holds no consensus.csv: run `hybridlm consensus --out {folder}` first")
-        ax.plot([int(r["layer_step"]) for r in rows], [float(r["E_mean"]) for r in rows], lw=1.3, label=label)
+        curves[label] = {int(r["layer_step"]): r["E_mean"] for r in rows}
+        ax.plot(list(curves[label]), [float(e) for e in curves[label].values()], lw=1.3, label=label)
+    if data:
+        with open(Path(out).with_suffix(".csv"), "w", newline="") as fh:
+            writer = csv.writer(fh)
+            writer.writerow(["layer_step", *curves])
+            for k in sorted(set().union(*curves.values())):
+                writer.writerow([k, *(curve.get(k, "") for curve in curves.values())])
     ax.axhline(THRESHOLD, color="grey", lw=0.8, ls="--", label=f"E = {THRESHOLD}")
     ax.set_xlabel("layer-step k")
     ax.set_ylabel("mean E(k)")

@@ -415,8 +415,16 @@ def init_weights(model: DecoderLM, seed: int = 0, *, part: nn.Module | None = No
                 p.fill_(1.0)
             elif name.endswith("bias"):
                 p.zero_()
-            elif name.endswith(("W_O.weight", "W_proj.weight", "W_down.weight")):
-                p.copy_(torch.randn(p.shape, generator=g) * residual_std)
             else:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
+                _normal_(p, residual_std if name.endswith(("W_O.weight", "W_proj.weight", "W_down.weight")) else std, g)
     return model
+
+
+def _normal_(p: torch.Tensor, std: float, g: torch.Generator) -> None:
+    """p ← randn(p.shape) · std from the CPU generator g: in place where p is a contiguous float32 CPU
+    tensor (no new tensor: a 2.7B-parameter model is redrawn every pass); otherwise (a transposed view
+    such as a tied embedding, another dtype or device) drawn in float32 in index order and copied."""
+    if p.is_contiguous() and p.dtype == torch.float32 and p.device.type == "cpu":
+        p.normal_(0.0, std, generator=g)
+    else:
+        p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=g))
