@@ -8,6 +8,7 @@ from hybridlm.cli.options import (
     MODEL, MODEL_HELP, Device, chat_template_option, context_option, drop_without_grammar, mcp_options,
     precision_option, tool_call_parser_option, tool_registry, use_tool_call_parser, with_chat_template,
 )
+from hybridlm.engine.prefill import SEGMENT
 
 
 @click.command()
@@ -34,9 +35,10 @@ from hybridlm.cli.options import (
               help="Memory for the states of arcs stopped at a client-side tool call.")
 @click.option("--max-body-mb", default=8.0, show_default=True, type=click.FloatRange(min=0.001),
               help="Largest request body (413 beyond).")
-@click.option("--prefill-chunk", default=256, show_default=True, type=click.IntRange(min=0),
-              help="Most prompt tokens prefilled between two token steps of the running streams (a long prompt "
-                   "waits its turn chunk by chunk); 0: a prompt in one piece, the others waiting.")
+@click.option("--prefill-chunk", default=SEGMENT, show_default=True, type=click.IntRange(min=0),
+              help="Prompt tokens prefilled between two token steps of the running streams, at the start of a "
+                   "context (deeper in it fewer, costing the same: a long prompt waits its turn chunk by chunk); "
+                   "0: a prompt in one piece, the others waiting.")
 @click.option("--max-jumps", default=3, show_default=True, type=click.IntRange(min=0),
               help="Jump horizon of a request's server-side tool calls.")
 @click.option("--max-calls", default=3, show_default=True, type=click.IntRange(min=1),

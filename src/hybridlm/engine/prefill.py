@@ -31,7 +31,7 @@ import torch
 from hybridlm.errors import InputError
 from hybridlm.lm.state import KVState
 
-SEGMENT = 256  # positions of the first canonical prefill segment (the grid's scale), by default
+SEGMENT = 128  # positions of the first canonical prefill segment (the grid's scale), by default
 
 
 # ---------------------------------------------------------------------- the context horizon
