@@ -3,10 +3,10 @@
 Prefill in canonical segments. A prompt is prefilled segment by segment, with boundaries at
 the cuts of a grid that depends on positions alone (`grid`: cells of `SEGMENT` tokens at the start
 of a context, shorter ones deeper in it, where each token reads more keys) and at the marks the
-caller gives (the ends of chat messages). So the state after a prefix is always computed the same way, whatever follows it,
-and a cache of states keyed by their segments is exact to the last bit: by causal prefix
-invariance (docs/theory.md §3) the state of s is the state of its prefix p continued with the rest,
-and with the same segments it is the same arithmetic.
+caller gives (the ends of chat messages). So the state after a prefix is always computed the same
+way, whatever follows it, and a cache of states keyed by their segments is exact to the last bit:
+by causal prefix invariance (docs/theory.md §3) the state of s is the state of its prefix p
+continued with the rest, and with the same segments it is the same arithmetic.
 
 `PrefixCache` holds such states in a trie of segments, bounded in bytes, the least recently
 used dropped first: a shared system prompt, a tool list or the earlier turns of a
@@ -197,7 +197,7 @@ def copied_ends(cuts: Iterable[int], marks: Iterable[int]) -> set[int]:
     """The segment ends at which a prefill leaves a copy of its state in the prefix cache. A copy costs
     what it holds, so besides the first mark (a system prompt, a tool list: what prompts share most) and
     the last end (what a conversation's next request continues), copies are spaced geometrically, each
-    at least twice as long as the one before: a prefill copies about twice its final state at most,
+    at least twice as long as the one before: a prefill copies a few times its final state at most,
     however many messages it holds, instead of a state per message."""
     marks = sorted(set(marks))
     ends = sorted(set(cuts) | set(marks))
