@@ -1,7 +1,7 @@
 """A bounded smoke run of every atheris harness in fuzz/ (the long runs are in docs/robustness.md).
 
 Each harness runs in a subprocess on a copy of its seed corpus for HYBRIDLM_FUZZ_SECONDS
-(default 25: nine harnesses, and the suite keeps within its 30 minutes) with libFuzzer's own
+(default 15: nine harnesses, and the suite keeps within its 30 minutes) with libFuzzer's own
 limits: 5 s per input (a hang is a failure) and 1 GB of memory above the test process's own
 peak; any uncaught exception ends the run with a non-zero exit code and the input.
 """
@@ -25,7 +25,7 @@ HARNESSES = ["gguf_reader", "gguf_vocab", "tokenizer_folder", "hub_reader", "tra
 def test_harness_smoke_run(harness, tmp_path):
     import atheris  # noqa: F401 - the fuzz extra is part of the test extra: missing it is a failure
 
-    seconds = int(os.environ.get("HYBRIDLM_FUZZ_SECONDS", "25"))
+    seconds = int(os.environ.get("HYBRIDLM_FUZZ_SECONDS", "15"))
     corpus = tmp_path / "corpus"
     shutil.copytree(FUZZ / "corpus" / harness, corpus)
     # Linux carries a process's peak RSS across fork and exec, and libFuzzer reads that peak: a
