@@ -20,7 +20,6 @@ from __future__ import annotations
 import csv
 import json
 import platform
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -68,10 +67,10 @@ def prepare_model(cfg: ConsensusConfig, device: str):
     """The run's model: loaded, and re-drawn at random when the weights are not pretrained."""
     from hybridlm.analysis.consensus import reinit
     from hybridlm.lm.sphere_block import select_block
-    from hybridlm.weights.loading import load_model
+    from hybridlm.weights.loading import drawn_from_seed, load_model
 
     # random:<preset> / random-<family>:<size>: the loader draws them from the seed (once, not twice)
-    drawn = cfg.weights != "pretrained" and re.match(r"random(-\w+)?:", cfg.model) is not None
+    drawn = cfg.weights != "pretrained" and drawn_from_seed(cfg.model)
     model = load_model(cfg.model, device=device, seed=cfg.seed if drawn else 0)
     check_horizon(model, cfg)
     if cfg.weights != "pretrained" and not drawn:

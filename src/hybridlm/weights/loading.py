@@ -29,6 +29,13 @@ from hybridlm.weights.registry import CHUNKED_MODELS, installed, joined_file, re
 DEFAULT_MODEL = "smollm2-135m"
 GGUF_NAMES = ("smollm2-135m",)
 STACK_FAMILIES = ("ssm", "rnn", "hybrid")  # random-<family>:<size> (hybridlm.ssm)
+RANDOM_PREFIXES = ("random:", *(f"random-{f}:" for f in STACK_FAMILIES))  # names whose weights the seed draws
+
+
+def drawn_from_seed(name: str) -> bool:
+    """Whether `load_model(name, seed=...)` draws the model's weights from its seed (random:<preset>,
+    random-<family>:<size>)."""
+    return name.startswith(RANDOM_PREFIXES)
 
 
 PRECISION_CHOICES = ("float32", "bfloat16", "int8", "int4", "gguf", "auto")
