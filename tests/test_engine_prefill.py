@@ -78,17 +78,22 @@ def test_a_long_prefill_interleaves_with_the_running_rows_token_steps(toy_model,
     assert s.arc.tokens == long_alone == long_whole
 
 
+def _yields(steps) -> tuple[list, object]:
+    """What a prefill's steps yield (where each chunk starts), and the state they return."""
+    at = []
+    try:
+        while True:
+            at.append(next(steps))
+    except StopIteration as done:
+        return at, done.value
+
+
 def test_chunks_cover_the_prompt_and_give_the_prefill_in_one_piece(toy_model):
     """prefill_steps yields after chunks of at most `segment` tokens that tile the prompt, and ends
     in the state of one F over the whole prompt (within rounding: other row blocks)."""
     _, long = _prompts()
     steps = prefill_steps(toy_model, long, marks=(9, 10, 11, 60), segment=CHUNK)
-    at = [next(steps)]
-    try:
-        while True:
-            at.append(next(steps))
-    except StopIteration as done:
-        x = done.value
+    at, x = _yields(steps)
     bounds = [*at, len(long)]
     assert bounds[0] == 0 and all(0 < b - a <= CHUNK for a, b in zip(bounds, bounds[1:]))
     ref = toy_model.init_state(long)
@@ -246,12 +251,7 @@ def test_a_deep_chunk_costs_what_a_first_one_does_and_holds_fewer_tokens():
     prompt = [1] * 6000
     marks = list(range(40, 6000, 43))  # short messages, as in a long conversation
     steps = prefill_steps(model, prompt, marks=marks, segment=256)
-    at = [next(steps)]
-    try:
-        while True:
-            at.append(next(steps))
-    except StopIteration:
-        pass
+    at, _ = _yields(steps)
     bounds = [*at, len(prompt)]
     sizes = [b - a for a, b in zip(bounds, bounds[1:])]
     assert bounds[0] == 0 and sum(sizes) == len(prompt)
