@@ -126,15 +126,33 @@ def agreement(model, ids, reference):
     return float((z.argmax(-1) == reference.argmax(-1)).mean()), float(np.abs(z - reference).max())
 
 
-@pytest.mark.parametrize("name, least", [("qwen2.5-coder-0.5b", 0.97), ("gemma-3-270m", 0.96)])
+def disagreements(model, ids, reference):
+    """Per position where the two top-1 tokens differ: llama.cpp's own margin between its choice and ours;
+    and the mean |Δlogit| over every position and token (the size of the two arithmetics' difference)."""
+    with torch.no_grad():
+        z = model(torch.tensor([ids]))[0].numpy()
+    ours, theirs = z.argmax(-1), reference.argmax(-1)
+    at = np.flatnonzero(ours != theirs)
+    margins = reference[at, theirs[at]] - reference[at, ours[at]]
+    return margins, float(np.abs(z - reference).mean())
+
+
+# The share depends on the host: llama.cpp's kernels (AVX2 or AVX-512, repacked or not) round its
+# 8-bit products differently (on an AVX-512 Xeon 98.6 % and 96.6 %; on an AVX2 EPYC 97.4 % and 95.0 %).
+# What does not depend on it: a disagreement is a near-tie of llama.cpp's own two leading logits, far
+# below the median top-two margin (~0.9 on both models), within a few times the logits' mean difference.
+@pytest.mark.parametrize("name, least", [("qwen2.5-coder-0.5b", 0.96), ("gemma-3-270m", 0.94)])
 def test_top1_agreement_with_llama_cpp_on_the_same_file(name, least, tmp_path):
     path = real_path(name)
     ids, reference = llama_cpp_logits(path, tmp_path)
     assert len(ids) == POSITIONS
     model = ours(path)
-    share, worst = agreement(model, ids, reference)
-    print(f"{name}: top-1 agreement with llama.cpp {share:.2%} over {len(ids)} positions, max |Δlogit| {worst:.3f}")
+    margins, mean_diff = disagreements(model, ids, reference)
+    share = 1 - len(margins) / len(ids)
+    print(f"{name}: top-1 agreement with llama.cpp {share:.2%} over {len(ids)} positions; llama.cpp's margin at "
+          f"the disagreements ≤ {margins.max(initial=0):.3f}, mean |Δlogit| {mean_diff:.3f}")
     assert share >= least
+    assert (margins <= 3 * mean_diff).all(), sorted(margins.tolist())
 
 
 def test_gemma_agrees_everywhere_with_llama_cpp_on_float32_weights(tmp_path):
