@@ -774,3 +774,25 @@ def test_a_final_lone_angle_bracket_is_the_models():
     assert render(["a <<<"], final=True, client_tools=tools, cut=True).content == "a <<"  # a call cut by the budget
     assert render(["a <tool_c"], final=True, client_tools=tools).content == "a "
     assert render(["a <"], final=False, client_tools=tools).content == "a "  # held back while it may still open
+
+
+def test_an_ended_request_hands_memory_back_while_others_run(smollm2, monkeypatch):
+    """The heap's free pages go back to the kernel when a sequence ends, not only when the engine goes
+    idle: a server that always has a stream running would otherwise keep every ended request's buffers."""
+    import hybridlm.server.service as service_module
+
+    service = Service(smollm2, model_id=MODEL, max_batch=4)
+    trims: list[int] = []  # rows still running at each trim
+    monkeypatch.setattr(service_module, "return_freed_memory", lambda: trims.append(len(service.engine.active)))
+    with running(service) as url:
+        c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+        with cf.ThreadPoolExecutor(2) as pool:
+            long = pool.submit(c.chat.completions.create, model=MODEL, messages=ask("Tell me a long story."),
+                               max_tokens=80, temperature=0,
+                               logit_bias={str(i): -100 for i in smollm2.tokenizer.stop_ids()})  # runs all 80
+            time.sleep(0.5)
+            short = c.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=2, temperature=0)
+            assert short.choices[0].finish_reason == "length"
+            assert long.result().usage.completion_tokens == 80
+    assert any(rows > 0 for rows in trims), trims  # a trim while the long request still ran
+    assert len(trims) >= 2  # and one after each ended request

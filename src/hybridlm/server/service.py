@@ -197,7 +197,7 @@ class Service:
         thread, 40 in another)."""
         engine = self.engine
         self._looping = True
-        was_busy = False
+        ended = engine.stats.ended
         try:
             while not self._stop.is_set():
                 engine.wait_for_work(0.05)
@@ -208,12 +208,13 @@ class Service:
                     log.exception("engine step failed")
                     self.engine.fail_all(exc)
                 self.counters.rate.append((time.perf_counter(), engine.stats.tokens))
-                if was_busy and not engine.busy:
-                    # idle: the heap's free pages (a long prompt's activations, ended states) go back to the
-                    # kernel, so a finished request leaves the resident size where it found it (the kept
-                    # prefixes aside); the next request pays their first touch again, milliseconds
+                if engine.stats.ended != ended:
+                    # a sequence ended: the heap's free pages (its prompt's activations, its state) go back
+                    # to the kernel, so a finished request leaves the resident size where it found it (the
+                    # kept prefixes aside) even while other rows run; the next prefill pays their first
+                    # touch again, milliseconds (malloc_trim itself: about a millisecond)
+                    ended = engine.stats.ended
                     return_freed_memory()
-                was_busy = engine.busy
         finally:
             self._looping = False
             for s in engine.sequences():
