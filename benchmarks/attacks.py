@@ -3,10 +3,14 @@
     python benchmarks/attacks.py [--model smollm2-135m]
 
 One server (server-side calculator and an MCP stdio server, 256 descriptors: a connection cap of 128)
-takes the request probes in turn; for each: its status, its time, the server's RSS before and after,
-the worst /health latency while it ran and the worst gap between the chunks of a stream kept running
-meanwhile. The probes that kill a server, or run a command or a tool server of their own, get their
-own process (their RSS and stream columns are empty). Prints a markdown table (docs/server.md).
+takes the request probes in turn; for each: its status, its time, the server's RSS before and after
+(once nothing runs in it), the worst /health latency while it ran (polled from a process of its own)
+and the worst gap between the chunks of a stream kept running meanwhile. `--steady` first brings the
+server to the memory it holds after a while in service: a request that generates, and long prompts
+that fill the prefix cache to its bound (states a fresh server has yet to keep), so that RSS before →
+after measures what a probe leaves behind. The probes that kill a server, or run a command or a tool
+server of their own, get their own process (their RSS and stream columns are empty). Prints a
+markdown table (docs/server.md).
 """
 
 from __future__ import annotations
@@ -15,11 +19,14 @@ import argparse
 import math
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import attack_probes as P  # (the probes live beside the tests that assert them)
+
+PREFIX_CACHE_MB = 256  # the served --prefix-cache-mb (the default)
 
 
 def fmt(x: float | None, unit: str = "") -> str:
@@ -31,6 +38,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="the served model [default: the embedded SmolLM2-135M]")
     parser.add_argument("--part", choices=["all", "requests", "others"], default="all",
                         help="the request probes on one server, the others (own processes), or all")
+    parser.add_argument("--steady", action="store_true",
+                        help="fill the server's kept states to their bounds before the request probes")
     args = parser.parse_args()
     rows = []
 
@@ -53,10 +62,13 @@ def main() -> None:
 
 def requests(args, row) -> None:
     served = P.Served("--tools", "calculator", "--mcp", f"{sys.executable} {P.MCP_SERVER}", "--max-batch", "4",
+                      "--prefix-cache-mb", str(PREFIX_CACHE_MB),
                       fds=256, model=args.model)
     from hybridlm.weights.loading import load_model
 
     specials = list(load_model(args.model).tokenizer.special_strings)
+    if args.steady:
+        steady(served)
     probes = [
         ("role injection: every special token in a tool observation", lambda s: P.role_injection(s, specials)),
         ("text/plain body", P.text_plain),
@@ -75,13 +87,58 @@ def requests(args, row) -> None:
     ]
     try:
         for name, probe in probes:
-            before = served.rss_mb()
+            before = settled_rss(served)
             with P.Watch(served, stream=True) as watch:
                 out = probe(served)
-            row(name, out, (before, served.rss_mb()), watch)
+            row(name, out, (before, settled_rss(served)), watch)
         row("SIGKILL of serve with an MCP server", P.kill_leaves_no_mcp_children(served))
     finally:
         served.stop()
+
+
+def gauges(served: P.Served) -> dict[str, float]:
+    """The server's /metrics, name → value (the unlabelled samples)."""
+    text = served.request("GET", "/metrics").body
+    found = {}
+    for line in str(text).splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("hybridlm_") and value:
+            found[name.removeprefix("hybridlm_")] = float(value)
+    return found
+
+
+def settled_rss(served: P.Served, timeout: float = 20.0) -> float:
+    """The server's RSS once nothing runs in it and its freed pages are back with the kernel (the stream
+    the Watch kept running is cancelled when the Watch closes its connection; its state is freed and
+    trimmed when the engine sees that, a moment after the batch gauge reads 0)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        g = gauges(served)
+        if g.get("batch_rows", 1) + g.get("queue_length", 1) + g.get("external_sequences", 1) == 0:
+            break
+        time.sleep(0.1)
+    rss = served.rss_mb()
+    while time.monotonic() < deadline:  # until it stops falling
+        time.sleep(0.25)
+        now = served.rss_mb()
+        if now > rss - 1:
+            return min(rss, now)
+        rss = now
+    return rss
+
+
+def steady(served: P.Served) -> None:
+    """A request that generates, then long prompts of other text until the prefix cache is at its bound
+    (256 MB by default; a 6,000-token prompt's copies fill it on SmolLM2)."""
+    served.chat({"messages": P.ask("Tell me a story."), "max_tokens": 64, "temperature": 1.0, "seed": 2})
+    for word in (" world", " river", " stone"):
+        g = gauges(served)
+        if g.get("prefix_cache_bytes", 0) >= 0.9 * 2**20 * PREFIX_CACHE_MB:
+            break
+        served.request("POST", "/v1/completions", {"model": P.MODEL, "prompt": word * 6000, "max_tokens": 1},
+                       timeout=600)
+    print(f"steady: prefix cache {gauges(served).get('prefix_cache_bytes', 0) / 2**20:.0f} MB, "
+          f"RSS {settled_rss(served):.0f} MB", flush=True)
 
 
 def others(args, row) -> None:

@@ -142,6 +142,26 @@ def wait_dead(pids: list[int], timeout: float = 20.0) -> list[int]:
 
 
 # ====================================================================== watching a probe
+
+#: /health polled every 50 ms; one line per poll: "STATUS SECONDS" or "error NAME"
+_POLLER = """
+import http.client, sys, time
+port = int(sys.argv[1])
+while True:
+    t0 = time.monotonic()
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        c.request("GET", "/health")
+        r = c.getresponse()
+        r.read()
+        c.close()
+        print(r.status, time.monotonic() - t0, flush=True)
+    except OSError as exc:
+        print("error", type(exc).__name__, flush=True)
+    time.sleep(0.05)
+"""
+
+
 @dataclass
 class Watch:
     """/health polled every 50 ms (and a streamed answer kept running, when `stream`) while a probe runs."""
@@ -160,9 +180,10 @@ class Watch:
         for t in self._threads:
             t.start()
         time.sleep(0.3 if not self.stream else 0.0)
-        if self.stream:  # the stream is running before the probe starts
+        if self.stream:  # the stream is generating before the probe starts: past its role chunk (sent at
+            # once) and its first token (after its own prefill, which is not the probe's doing)
             deadline = time.monotonic() + 120
-            while not self.gaps and time.monotonic() < deadline:
+            while len(self.gaps) < 2 and time.monotonic() < deadline:
                 time.sleep(0.05)
             self.gaps.clear()
         return self
@@ -174,17 +195,25 @@ class Watch:
             t.join(60)
 
     def _poll(self) -> None:
-        while not self._stop.is_set():
-            t0 = time.monotonic()
-            try:
-                r = self.served.request("GET", "/health", timeout=30)
-                if r.status == 200:
-                    self.health.append(time.monotonic() - t0)
-                else:
-                    self.failures.append(f"/health {r.status}")
-            except OSError as exc:
-                self.failures.append(f"/health {type(exc).__name__}")
-            time.sleep(0.05)
+        """Reads the poller's lines. The poller is a process of its own: in this one, a probe that encodes a
+        big body holds the interpreter for a while, and a poll waiting on it would time the client."""
+        poller = subprocess.Popen([sys.executable, "-I", "-c", _POLLER, str(self.served.port)], stdout=subprocess.PIPE,
+                                  stdin=subprocess.DEVNULL, text=True)
+        reader = threading.Thread(target=self._read_polls, args=(poller,), daemon=True)
+        reader.start()
+        self._stop.wait()
+        poller.kill()
+        poller.wait()
+        reader.join(10)
+
+    def _read_polls(self, poller: subprocess.Popen) -> None:
+        assert poller.stdout is not None
+        for line in poller.stdout:
+            status, _, value = line.strip().partition(" ")
+            if status == "200":
+                self.health.append(float(value))
+            elif status:
+                self.failures.append(f"/health {value if status == 'error' else status}")
 
     def _stream(self) -> None:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a very long story."}],
