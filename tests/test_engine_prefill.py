@@ -295,3 +295,59 @@ def test_the_next_request_of_a_conversation_continues_its_last_message(toy_model
     cold = prefill(toy_model, nxt, marks=[*marks, 415])
     assert torch.equal(hit.logits, cold.logits) and torch.equal(hit.keys(1), cold.keys(1))
     assert x.n == 400
+
+
+# ---------------------------------------------------------------------- the prefix cache's eviction
+class _Sized:
+    """A stand-in state of a given size in bytes (the cache reads nbytes, n and clone)."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.n = size, size
+
+    def nbytes(self) -> int:
+        return self.size
+
+    def clone(self, **_) -> "_Sized":
+        return _Sized(self.size)
+
+
+def test_a_shared_prefix_found_again_outlives_one_long_conversation():
+    """A system prompt every client sends (found again: protected) is not pushed out by the copies of one
+    long conversation that fill the cache (seen once), which plain LRU dropped it for."""
+    cache = PrefixCache(max_bytes=1000)
+    system = [("system",)]
+    cache.put(system, _Sized(100))
+    assert cache.longest(system) is not None  # a second client: found again
+    long = [("turn", i) for i in range(40)]
+    for depth in range(1, 41):  # one conversation's copies, 50 bytes each, 2,000 bytes in all
+        cache.put(long[:depth], _Sized(50))
+    assert cache.longest(system) is not None
+    assert cache.bytes <= cache.max_bytes and cache.protected_bytes == 100
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 15), st.integers(1, 400)), max_size=60),
+       st.sampled_from([0.0, 0.5, 0.8, 0.99]))
+def test_prefix_cache_accounting_laws(ops, protect):
+    """Whatever the puts and lookups: the bytes are the sum of the held states', within the bound; the
+    protected ones within their share (or a single state); a state put is held if and only if it fits
+    beside the protected ones (or was held already), and no protected state is dropped to make room."""
+    cache = PrefixCache(max_bytes=1000, protect=protect)
+    for is_lookup, key, size in ops:
+        segs = [("k", key)]
+        if is_lookup:
+            found = cache.longest(segs)
+            if found is not None:
+                assert cache.longest(segs) is not None  # found: not dropped by being found
+        else:
+            held_before = cache.longest(segs) is not None
+            protected = {id(n) for n in cache._protected.values()}
+            fits = size <= cache.max_bytes - cache.protected_bytes
+            cache.put(segs, _Sized(size))
+            assert protected <= {id(n) for n in (*cache._protected.values(), *cache._probation.values())}
+            assert (cache.longest(segs) is not None) == (held_before or fits)
+        held = [n for n in (*cache._probation.values(), *cache._protected.values())]
+        assert cache.bytes == sum(n.state.nbytes() for n in held) <= cache.max_bytes
+        assert cache.protected_bytes == sum(n.state.nbytes() for n in cache._protected.values())
+        assert cache.protected_bytes <= protect * cache.max_bytes or len(cache._protected) == 1
+        assert len(cache) == len(held) == len({id(n) for n in held})

@@ -8,8 +8,8 @@ way, whatever follows it, and a cache of states keyed by their segments is exact
 by causal prefix invariance (docs/theory.md §3) the state of s is the state of its prefix p
 continued with the rest, and with the same segments it is the same arithmetic.
 
-`PrefixCache` holds such states in a trie of segments, bounded in bytes, the least recently
-used dropped first: a shared system prompt, a tool list or the earlier turns of a
+`PrefixCache` holds such states in a trie of segments, bounded in bytes (a segmented LRU: what
+is found again is dropped last): a shared system prompt, a tool list or the earlier turns of a
 conversation are prefilled once.
 
 The context horizon T. Π_T keeps the last T tokens. `ContextPolicy("exact")` applies it at
@@ -90,15 +90,27 @@ class _Node:
 
 
 class PrefixCache:
-    """States of prefilled prefixes in a trie of canonical segments, bounded in bytes (LRU)."""
+    """States of prefilled prefixes in a trie of canonical segments, bounded in bytes.
 
-    def __init__(self, max_bytes: int = 256 * 2**20) -> None:
+    Eviction is a segmented LRU: a state enters on probation and is protected once it is found again
+    (a shared system prompt, a tool list, a conversation that continues). Room is made from the
+    probationary states only, least recently used first, and a state larger than the room the protected
+    ones leave is not kept: so one long conversation's copies, seen once, cannot push out the prefixes
+    every client shares. Protected states keep at most `protect` of the bytes (some room is always
+    left); past that their least recently used goes back on probation."""
+
+    def __init__(self, max_bytes: int = 256 * 2**20, *, protect: float = 0.8) -> None:
         if max_bytes < 0:
             raise InputError(f"prefix cache of {max_bytes} bytes: expected ≥ 0")
+        if not 0 <= protect < 1:
+            raise InputError(f"prefix cache protected share {protect!r}: expected at least 0 and below 1")
         self.max_bytes = max_bytes
+        self.protect = protect
         self.root = _Node()
-        self._lru: OrderedDict[int, _Node] = OrderedDict()  # nodes holding a state, oldest first
-        self.bytes = 0
+        # nodes holding a state, least recently used first: seen once, and found again since
+        self._probation: OrderedDict[int, _Node] = OrderedDict()
+        self._protected: OrderedDict[int, _Node] = OrderedDict()
+        self.bytes = self.protected_bytes = 0
         self.hits = self.misses = self.hit_tokens = 0
 
     def longest(self, segments: Sequence[tuple]) -> tuple[int, object] | None:
@@ -118,37 +130,57 @@ class PrefixCache:
         state: Any = found.state
         self.hits += 1
         self.hit_tokens += state.n
-        self._lru.move_to_end(id(found))
+        self._promote(found)
         return depth, state.clone()
 
     def put(self, segments: Sequence[tuple], state) -> None:
         """Keep a copy of the state reached after these segments."""
         size = _nbytes(state)
-        if size > self.max_bytes:
+        if size > self.max_bytes - self.protected_bytes:  # kept, it would push out what is shared
             return
         node = self.root
         for seg in segments:
             node = node.children.setdefault(seg, _Node(node, seg))
         if node.state is not None:
-            self._lru.move_to_end(id(node))
+            self._promote(node)
             return
         node.state = compact_copy(state)
-        self._lru[id(node)] = node
+        self._probation[id(node)] = node
         self.bytes += size
-        while self.bytes > self.max_bytes and self._lru:
-            _, old = self._lru.popitem(last=False)
-            self.bytes -= _nbytes(old.state)
-            old.state = None
-            while old is not self.root and old.state is None and not old.children:  # prune empty branches
-                del old.parent.children[old.segment]
-                old = old.parent
+        while self.bytes > self.max_bytes:
+            self._drop()
+
+    def _promote(self, node: _Node) -> None:
+        """Found again: protected, most recently used."""
+        key = id(node)
+        if key in self._protected:
+            self._protected.move_to_end(key)
+            return
+        del self._probation[key]
+        self._protected[key] = node
+        self.protected_bytes += _nbytes(node.state)
+        while self.protected_bytes > self.protect * self.max_bytes and len(self._protected) > 1:
+            _, old = self._protected.popitem(last=False)  # back on probation, as its most recent
+            self.protected_bytes -= _nbytes(old.state)
+            self._probation[id(old)] = old
+
+    def _drop(self) -> None:
+        """Evict the least recently used state on probation (there is one: what was put fits beside the
+        protected states)."""
+        _, old = self._probation.popitem(last=False)
+        self.bytes -= _nbytes(old.state)
+        old.state = None
+        while old is not self.root and old.state is None and not old.children:  # prune empty branches
+            del old.parent.children[old.segment]
+            old = old.parent
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._probation) + len(self._protected)
 
     def stats(self) -> dict:
-        return {"entries": len(self), "bytes": self.bytes, "max_bytes": self.max_bytes, "hits": self.hits,
-                "misses": self.misses, "hit_tokens": self.hit_tokens}
+        return {"entries": len(self), "bytes": self.bytes, "max_bytes": self.max_bytes,
+                "protected_bytes": self.protected_bytes, "hits": self.hits, "misses": self.misses,
+                "hit_tokens": self.hit_tokens}
 
 
 def _nbytes(state) -> int:
