@@ -38,6 +38,7 @@ from hybridlm.server.wire import APIError
 log = logging.getLogger("hybridlm.server")
 
 MB = 2**20
+TRIM_EVERY_S = 1.0  # the most often a busy engine hands freed memory back (hybridlm.memory.return_freed_memory)
 
 
 @dataclass
@@ -197,7 +198,7 @@ class Service:
         thread, 40 in another)."""
         engine = self.engine
         self._looping = True
-        ended = engine.stats.ended
+        ended, trimmed, was_busy = engine.stats.ended, 0.0, False
         try:
             while not self._stop.is_set():
                 engine.wait_for_work(0.05)
@@ -208,13 +209,16 @@ class Service:
                     log.exception("engine step failed")
                     self.engine.fail_all(exc)
                 self.counters.rate.append((time.perf_counter(), engine.stats.tokens))
-                if engine.stats.ended != ended:
-                    # a sequence ended: the heap's free pages (its prompt's activations, its state) go back
-                    # to the kernel, so a finished request leaves the resident size where it found it (the
-                    # kept prefixes aside) even while other rows run; the next prefill pays their first
-                    # touch again, milliseconds (malloc_trim itself: about a millisecond)
-                    ended = engine.stats.ended
+                now = time.monotonic()
+                if (was_busy and not engine.busy) or (engine.stats.ended != ended and now - trimmed >= TRIM_EVERY_S):
+                    # idle, or a sequence ended: the heap's free pages (its prompt's activations, its state) go
+                    # back to the kernel, so a finished request leaves the resident size where it found it
+                    # (the kept prefixes aside) even while other rows run. The next prefill pays their first
+                    # touch again; malloc_trim itself walks the heap (10-70 ms on a fragmented one), hence
+                    # at most once a TRIM_EVERY_S while rows run
+                    ended, trimmed = engine.stats.ended, now
                     return_freed_memory()
+                was_busy = engine.busy
         finally:
             self._looping = False
             for s in engine.sequences():
