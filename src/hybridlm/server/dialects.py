@@ -221,13 +221,29 @@ def _sse(kind: str, data: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def _chunks(chat_stream: AsyncIterator[str]):
-    """The JSON objects of a chat stream's events (None for [DONE])."""
-    async def gen():
-        async for text in chat_stream:
-            payload = text.removeprefix("data: ").strip()
-            yield None if payload == "[DONE]" else json.loads(payload)
-    return gen()
+async def _deltas(chat_stream: AsyncIterator[str]) -> AsyncIterator[tuple[str, Any]]:
+    """What a chat stream says, in the order it says it, up to [DONE]: ("text", a content delta),
+    ("call", a tool-call delta: index, and id and name on its first part, arguments), ("usage", the
+    usage object), ("finish", a finish reason), ("error", the error object; nothing follows it). Both
+    translators below read a chat stream through this one front."""
+    async for text in chat_stream:
+        payload = text.removeprefix("data: ").strip()
+        if payload == "[DONE]":
+            return
+        chunk = json.loads(payload)
+        if "error" in chunk:
+            yield "error", chunk["error"]
+            return
+        if chunk.get("usage"):
+            yield "usage", chunk["usage"]
+        for c in chunk.get("choices", []):
+            delta = c.get("delta") or {}
+            if delta.get("content"):
+                yield "text", delta["content"]
+            for part in delta.get("tool_calls") or []:
+                yield "call", part
+            if c.get("finish_reason"):
+                yield "finish", c["finish_reason"]
 
 
 async def response_events(chat_stream: AsyncIterator[str], data: dict, messages: list[dict],
@@ -262,45 +278,40 @@ async def response_events(chat_stream: AsyncIterator[str], data: dict, messages:
     start = _response(ident, data, [], "in_progress", None, created)
     yield event("response.created", response=start)
     yield event("response.in_progress", response=start)
-    async for chunk in _chunks(chat_stream):
-        if chunk is None:
-            break
-        if "error" in chunk:
-            yield event("error", code=chunk["error"].get("code"), message=chunk["error"]["message"], param=None)
+    async for kind, value in _deltas(chat_stream):
+        if kind == "error":
+            yield event("error", code=value.get("code"), message=value["message"], param=None)
             return
-        if chunk.get("usage"):
-            usage = chunk["usage"]
-        for c in chunk.get("choices", []):
-            delta = c.get("delta") or {}
-            if delta.get("content"):
-                if text_item is None:
-                    text_item = _message_item("", "in_progress")
-                    output.append(text_item)
-                    i = len(output) - 1
-                    yield event("response.output_item.added", output_index=i,
-                                item={**text_item, "content": []})
-                    yield event("response.content_part.added", item_id=text_item["id"], output_index=i,
-                                content_index=0, part={"type": "output_text", "text": "", "annotations": []})
-                text_item["content"][0]["text"] += delta["content"]
-                yield event("response.output_text.delta", item_id=text_item["id"], output_index=output.index(text_item),
-                            content_index=0, delta=delta["content"], logprobs=[])
-            for part in delta.get("tool_calls") or []:
-                for e in close_text():
-                    yield e
-                item = calls.get(part["index"])
-                args = part.get("function", {}).get("arguments", "")
-                if item is None:
-                    item = _call_item({"id": part["id"], "function": {"name": part["function"]["name"],
-                                                                      "arguments": ""}}, "in_progress")
-                    calls[part["index"]] = item
-                    output.append(item)
-                    yield event("response.output_item.added", output_index=len(output) - 1, item=dict(item))
-                if args:
-                    item["arguments"] += args
-                    yield event("response.function_call_arguments.delta", item_id=item["id"],
-                                output_index=output.index(item), delta=args)
-            if c.get("finish_reason"):
-                finish = c["finish_reason"]
+        if kind == "usage":
+            usage = value
+        elif kind == "finish":
+            finish = value
+        elif kind == "text":
+            if text_item is None:
+                text_item = _message_item("", "in_progress")
+                output.append(text_item)
+                i = len(output) - 1
+                yield event("response.output_item.added", output_index=i, item={**text_item, "content": []})
+                yield event("response.content_part.added", item_id=text_item["id"], output_index=i,
+                            content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+            text_item["content"][0]["text"] += value
+            yield event("response.output_text.delta", item_id=text_item["id"], output_index=output.index(text_item),
+                        content_index=0, delta=value, logprobs=[])
+        else:  # a tool-call delta
+            for e in close_text():
+                yield e
+            item = calls.get(value["index"])
+            args = value.get("function", {}).get("arguments", "")
+            if item is None:
+                item = _call_item({"id": value["id"], "function": {"name": value["function"]["name"],
+                                                                   "arguments": ""}}, "in_progress")
+                calls[value["index"]] = item
+                output.append(item)
+                yield event("response.output_item.added", output_index=len(output) - 1, item=dict(item))
+            if args:
+                item["arguments"] += args
+                yield event("response.function_call_arguments.delta", item_id=item["id"],
+                            output_index=output.index(item), delta=args)
     for e in close_text():
         yield e
     for item in calls.values():
@@ -437,39 +448,35 @@ async def message_events(chat_stream: AsyncIterator[str], data: dict) -> AsyncIt
     yield _sse("message_start", {"type": "message_start", "message": {
         "id": ident, "type": "message", "role": "assistant", "model": data.get("model"), "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}})
-    async for chunk in _chunks(chat_stream):
-        if chunk is None:
-            break
-        if "error" in chunk:
-            yield _sse("error", anthropic_error(500, chunk["error"]["message"]))
+    async for kind, value in _deltas(chat_stream):
+        if kind == "error":
+            yield _sse("error", anthropic_error(500, value["message"]))
             return
-        if chunk.get("usage"):
-            usage = chunk["usage"]
-        for c in chunk.get("choices", []):
-            delta = c.get("delta") or {}
-            if delta.get("content"):
-                if open_kind != "text":
-                    if open_kind is not None:
-                        yield _sse("content_block_stop", {"type": "content_block_stop", "index": block})
-                    block, open_kind = block + 1, "text"
-                    yield _sse("content_block_start", {"type": "content_block_start", "index": block,
-                                                       "content_block": {"type": "text", "text": ""}})
-                yield _sse("content_block_delta", {"type": "content_block_delta", "index": block,
-                                                   "delta": {"type": "text_delta", "text": delta["content"]}})
-            for part in delta.get("tool_calls") or []:
-                if part["index"] not in calls:
-                    if open_kind is not None:
-                        yield _sse("content_block_stop", {"type": "content_block_stop", "index": block})
-                    block, open_kind = block + 1, "tool_use"
-                    calls[part["index"]] = block
-                    yield _sse("content_block_start", {"type": "content_block_start", "index": block, "content_block": {
-                        "type": "tool_use", "id": part["id"], "name": part["function"]["name"], "input": {}}})
-                args = part.get("function", {}).get("arguments", "")
-                if args:
-                    yield _sse("content_block_delta", {"type": "content_block_delta", "index": calls[part["index"]],
-                                                       "delta": {"type": "input_json_delta", "partial_json": args}})
-            if c.get("finish_reason"):
-                finish = c["finish_reason"]
+        if kind == "usage":
+            usage = value
+        elif kind == "finish":
+            finish = value
+        elif kind == "text":
+            if open_kind != "text":
+                if open_kind is not None:
+                    yield _sse("content_block_stop", {"type": "content_block_stop", "index": block})
+                block, open_kind = block + 1, "text"
+                yield _sse("content_block_start", {"type": "content_block_start", "index": block,
+                                                   "content_block": {"type": "text", "text": ""}})
+            yield _sse("content_block_delta", {"type": "content_block_delta", "index": block,
+                                               "delta": {"type": "text_delta", "text": value}})
+        else:  # a tool-call delta
+            if value["index"] not in calls:
+                if open_kind is not None:
+                    yield _sse("content_block_stop", {"type": "content_block_stop", "index": block})
+                block, open_kind = block + 1, "tool_use"
+                calls[value["index"]] = block
+                yield _sse("content_block_start", {"type": "content_block_start", "index": block, "content_block": {
+                    "type": "tool_use", "id": value["id"], "name": value["function"]["name"], "input": {}}})
+            args = value.get("function", {}).get("arguments", "")
+            if args:
+                yield _sse("content_block_delta", {"type": "content_block_delta", "index": calls[value["index"]],
+                                                   "delta": {"type": "input_json_delta", "partial_json": args}})
     if open_kind is not None:
         yield _sse("content_block_stop", {"type": "content_block_stop", "index": block})
     yield _sse("message_delta", {"type": "message_delta",
