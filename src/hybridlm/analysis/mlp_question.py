@@ -15,8 +15,8 @@ import csv
 import itertools
 from pathlib import Path
 
-from hybridlm.analysis.consensus import embed, first_below, looped, random_prompts
-from hybridlm.analysis.runner import THRESHOLD
+from hybridlm.analysis.consensus import first_below
+from hybridlm.analysis.runner import THRESHOLD, ConsensusConfig, consensus_shard
 from hybridlm.figures import save_figure
 
 #: name → (blocks L, width d, heads): two small GPT-2-like shapes, 8× apart in parameters per block ×
@@ -27,16 +27,18 @@ BLOCKS = ("pre-norm", "sphere")
 
 
 def one_run(size: str, sigma: float, block: str, *, passes: int, prompts: int, prompt_len: int, seed: int) -> list[float]:
-    """Mean E over the prompts after every layer-step (k = 0 … passes·L) of one configuration."""
+    """Mean E over the prompts after every layer-step (k = 0 … passes·L) of one configuration: the
+    consensus experiment's own loop (`analysis.runner`), on a model drawn at this size and σ."""
     from hybridlm.lm.config import preset
     from hybridlm.lm.sphere_block import select_block
     from hybridlm.weights.loading import load_model
 
     L, d, H = SIZES[size]
-    cfg = preset("gpt2").replace(n_layer=L, d_model=d, n_head=H, n_kv_head=H, init_std=sigma)
-    model = select_block(load_model(cfg, seed=seed), block)
-    h = embed(model, random_prompts(model, prompts, prompt_len, seed))
-    return [float(step.E.mean()) for step, _ in looped(model, h, passes=passes)]
+    shape = preset("gpt2").replace(n_layer=L, d_model=d, n_head=H, n_kv_head=H, init_std=sigma)
+    model = select_block(load_model(shape, seed=seed), block)
+    run = ConsensusConfig(model=f"{size}, σ={sigma:g}", weights="random-fixed", prompts=prompts,
+                          prompt_len=prompt_len, passes=passes, seed=seed, block=block)
+    return consensus_shard(run, model, 0, prompts).E.mean(dim=1).tolist()
 
 
 def run(out: Path, *, horizon: int, prompts: int, prompt_len: int, seed: int = 0) -> list[dict]:
