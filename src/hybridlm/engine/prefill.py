@@ -216,10 +216,10 @@ def grid(end: int, size: int = SEGMENT, cost: Callable[[int], float] | None = No
 
 
 def segments(end: int, marks: Iterable[int] = (), start: int = 0, size: int = SEGMENT,
-             cost: Callable[[int], float] | None = None) -> list[tuple[int, int]]:
-    """The canonical segments [a, b) of the positions start..end − 1: boundaries at the grid's cuts and at
-    the marks."""
-    cuts = {c for c in grid(end, size, cost) if c > start}
+             cost: Callable[[int], float] | None = None, *, cuts: Iterable[int] | None = None) -> list[tuple[int, int]]:
+    """The canonical segments [a, b) of the positions start..end − 1: boundaries at the grid's cuts (`cuts`
+    where the caller has them already, `grid(end, size, cost)` otherwise) and at the marks."""
+    cuts = {c for c in (grid(end, size, cost) if cuts is None else cuts) if start < c < end}
     cuts |= {int(m) for m in marks if start < int(m) < end}
     bounds = [start, *sorted(cuts), end]
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
@@ -299,7 +299,8 @@ def prefill_steps(model, tokens: Sequence[int], *, marks: Iterable[int] = (), ca
         shift = len(tokens) - keep
         tokens, marks = tokens[shift:], [m - shift for m in marks]
     cost = token_cost(model)
-    parts = segments(len(tokens), marks, size=segment, cost=cost)
+    cuts = grid(len(tokens) + 1, segment, cost)  # the prompt's end may be a cut: copied_ends needs it
+    parts = segments(len(tokens), marks, cuts=cuts)
     keys = [tuple(tokens[a:b]) for a, b in parts]
     x, done = None, 0
     if cache is not None:
@@ -309,7 +310,7 @@ def prefill_steps(model, tokens: Sequence[int], *, marks: Iterable[int] = (), ca
     if x is None:
         x = model.empty_state(1, capacity=len(tokens))
     yield x.n if done else 0
-    copied = copied_ends(grid(len(tokens) + 1, segment, cost), [m for m in marks if 0 < m <= len(tokens)])
+    copied = copied_ends(cuts, [m for m in marks if 0 < m <= len(tokens)])
     budget = segment * (cost(segment) if cost else 1)
     spent = 0.0  # the cost prefilled since the last yield: short segments (messages) share one chunk
     for i in range(done, len(parts)):
