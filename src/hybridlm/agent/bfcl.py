@@ -65,12 +65,16 @@ class Task:
     @property
     def question(self) -> str:
         """The task as one text for the agent: its user turns joined."""
-        return "\n".join(m["content"] for m in self.messages if m.get("content") and m.get("role") != "system")
+        return self._joined(system=False)
 
     @property
     def system(self) -> str:
         """The task's own system text ("" for none): the agent's system message, as BFCL sends it."""
-        return "\n".join(m["content"] for m in self.messages if m.get("content") and m.get("role") == "system")
+        return self._joined(system=True)
+
+    def _joined(self, *, system: bool) -> str:
+        return "\n".join(m["content"] for m in self.messages
+                         if m.get("content") and (m.get("role") == "system") == system)
 
 
 # ---------------------------------------------------------------------- data and checker
