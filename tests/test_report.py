@@ -14,6 +14,8 @@ import math
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -704,3 +706,18 @@ def test_cli_report(real_arc, consensus_runs, tmp_path):
     bad.write_text('{"event": "start", "t": 0, "k": 0, "wall_s": 0.0, "task": "x"}\nnot json\n')
     result = runner.invoke(cli, ["report", str(bad)])
     assert result.exit_code == 2 and "bad.jsonl:2" in result.output
+
+
+def test_reading_an_arc_imports_no_pytorch(real_arc, consensus_runs, tmp_path):
+    """The report, `trace show` and --help load no model, so they do not pay PyTorch's import (~220 MB
+    resident): each runs in a fresh interpreter that then lists what it imported."""
+    trace, _, _ = real_arc
+    for args in (["report", str(trace), "-o", str(tmp_path / "r.html")], ["report", str(consensus_runs)],
+                 ["trace", "show", str(trace)], ["--help"]):
+        code = ("import sys\nfrom hybridlm.cli import main\nsys.argv = ['hybridlm', *%r]\ntry:\n    main()\n"
+                "except SystemExit as e:\n"
+                "    assert not e.code, e.code\nprint(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+                % (args,))
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, (args, done.stderr[-2000:])
+        assert done.stdout.strip().splitlines()[-1] == "[]", (args, done.stdout[-500:])

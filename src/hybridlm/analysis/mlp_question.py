@@ -16,7 +16,8 @@ import itertools
 from pathlib import Path
 
 from hybridlm.analysis.consensus import first_below
-from hybridlm.analysis.runner import THRESHOLD, ConsensusConfig, consensus_shard
+from hybridlm.analysis.folder import THRESHOLD
+from hybridlm.analysis.runner import ConsensusConfig, consensus_shard
 from hybridlm.figures import save_figure
 
 #: name → (blocks L, width d, heads): two small GPT-2-like shapes, 8× apart in parameters per block ×

@@ -26,12 +26,10 @@ from pathlib import Path
 import torch
 
 from hybridlm.analysis.consensus import WEIGHTS, embed, first_below, looped, random_prompts
+from hybridlm.analysis.folder import CHECKPOINT, COLUMNS, THRESHOLD
 from hybridlm.figures import save_figure
 from hybridlm.errors import InputError
 
-THRESHOLD = 0.05
-COLUMNS = ["layer_step", "pass", "layer", "E_mean", "E_std", "E_min", "E_max"]
-CHECKPOINT = "checkpoint.safetensors"
 
 
 @dataclass(frozen=True)

@@ -248,9 +248,9 @@ def kernel_options(fn):
 
 def context_option(fn):
     """--context-policy: what happens at the context horizon T (hybridlm.engine.prefill.ContextPolicy)."""
-    from hybridlm.engine.prefill import ContextPolicy
-
     def parse(ctx, param, value):
+        from hybridlm.engine.prefill import ContextPolicy  # (here: --help and the report need no PyTorch)
+
         return ContextPolicy.parse(value)
 
     return click.option("--context-policy", "context_policy", default="block", show_default=True, callback=parse,

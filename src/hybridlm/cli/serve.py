@@ -8,7 +8,6 @@ from hybridlm.cli.options import (
     MODEL, MODEL_HELP, Device, chat_template_option, context_option, drop_without_grammar, mcp_options,
     precision_option, tool_call_parser_option, tool_registry, use_tool_call_parser, with_chat_template,
 )
-from hybridlm.engine.prefill import SEGMENT
 
 
 @click.command()
@@ -35,7 +34,8 @@ from hybridlm.engine.prefill import SEGMENT
               help="Memory for the states of arcs stopped at a client-side tool call.")
 @click.option("--max-body-mb", default=8.0, show_default=True, type=click.FloatRange(min=0.001),
               help="Largest request body (413 beyond).")
-@click.option("--prefill-chunk", default=SEGMENT, show_default=True, type=click.IntRange(min=0),
+@click.option("--prefill-chunk", default=None, show_default="the canonical grid's scale, 128",
+              type=click.IntRange(min=0),
               help="Prompt tokens prefilled between two token steps of the running streams, at the start of a "
                    "context (deeper in it fewer, costing the same: a long prompt waits its turn chunk by chunk); "
                    "0: a prompt in one piece, the others waiting.")
@@ -102,6 +102,8 @@ def serve(model_spec, names, host, port, tools, kb, api_key, max_batch, max_queu
             """The model loads while the HTTP server answers /health with 503 "loading"."""
             import torch
 
+            from hybridlm.engine.prefill import SEGMENT
+
             where = device if device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
             model = with_chat_template(load_model(model_spec, precision=precision, device=where), chat_template)
             use_tool_call_parser(model, tool_call_parser)
@@ -111,7 +113,7 @@ def serve(model_spec, names, host, port, tools, kb, api_key, max_batch, max_queu
                               max_batch=max_batch, max_queue=max_queue, prefix_cache_mb=prefix_cache_mb,
                               continuation_mb=continuation_mb, context=context_policy, max_jumps=max_jumps,
                               max_calls=max_calls, repeat_calls=repeat_calls, max_arcs=max_arcs,
-                              prefill_chunk=prefill_chunk)
+                              prefill_chunk=SEGMENT if prefill_chunk is None else prefill_chunk)
             service.engine.warm_up()  # (still "loading": the first prefill's cost is not the first client's)
             return service
 

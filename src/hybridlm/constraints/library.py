@@ -18,13 +18,15 @@ import json
 import math
 import re
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import numpy as np
-import torch
 
 from hybridlm.errors import InputError
+
+if TYPE_CHECKING:
+    import torch
 
 # Compact JSON in the form json.dumps writes (", " and ": "), with no other whitespace: a
 # free whitespace pattern would let a model pad a call with blanks until its budget is gone.
@@ -209,6 +211,8 @@ class MaskBuffer:
         return bits[: self.V].astype(bool)
 
     def tensor(self, size: int | None = None) -> torch.Tensor:
+        import torch  # (here: the call formats use this module to read schemas, with no model loaded)
+
         allowed = torch.from_numpy(self.bools())
         if size is not None and size > self.V:  # a model whose embedding is padded past the tokenizer
             allowed = torch.cat([allowed, torch.zeros(size - self.V, dtype=torch.bool)])

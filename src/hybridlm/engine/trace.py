@@ -37,14 +37,16 @@ import stat
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jsonschema
 
 from hybridlm.engine.arc import HybridArc, format_rates
 from hybridlm.errors import InputError
 from hybridlm.files import output_flags, refusal
-from hybridlm.lm.capture import Recorder
+
+if TYPE_CHECKING:
+    from hybridlm.lm.capture import Recorder
 
 _SYNCED = ("start", "phase", "jump", "end")
 
@@ -120,6 +122,8 @@ class NullTrace:
 def StateRecorder(model, path: str | os.PathLike) -> Recorder:
     """h⁽ᴸ⁾ of the new token at every decode step of one sequence, written to `path` when its arc
     ends as `resid_final` [steps, d] beside `t`, the token step of each row."""
+    from hybridlm.lm.capture import Recorder  # (here: reading a trace needs no PyTorch)
+
     point = f"blocks.{model.config.n_layer - 1}.hook_resid_post"
     return Recorder(model, [point], last=True, decode_only=True, save=Path(path), save_as="resid_final")
 

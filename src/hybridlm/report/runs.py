@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridlm.analysis.runner import COLUMNS, THRESHOLD
+from hybridlm.analysis.folder import COLUMNS, THRESHOLD
 from hybridlm.errors import InputError
 
 SURVEY_STEMS = ("adjoint", "euler", "memorise", "neural_ode")
