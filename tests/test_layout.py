@@ -21,7 +21,7 @@ ROOT = Path(__file__).parents[1] / "src" / "hybridlm"
 
 # Lower layers first; a module may import its own layer and the ones below, never above.
 LAYERS = [
-    ("hybridlm.errors", "hybridlm.cache", "hybridlm.memory", "hybridlm.figures"),
+    ("hybridlm.errors", "hybridlm.cache", "hybridlm.memory", "hybridlm.figures", "hybridlm._lazy"),
     ("hybridlm.alphabet", "hybridlm.chat_template", "hybridlm.tokenizer", "hybridlm.files"),
     ("hybridlm.lm",),
     ("hybridlm.ssm",),
