@@ -33,8 +33,9 @@ def smoke_run(harness: str, folder: Path, seconds: int, inherited_mb: int) -> su
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every harness's run, started at once on a pool of AT_ONCE: harness → (its folder, its future)."""
+def runs(request, tmp_path_factory):
+    """The run of every harness this session selected, started at once on a pool of AT_ONCE: harness →
+    (its folder, its future). (`-k gguf_reader` runs that harness alone, not all nine.)"""
     import atheris  # noqa: F401 - the fuzz extra is part of the test extra: missing it is a failure
 
     seconds = int(os.environ.get("HYBRIDLM_FUZZ_SECONDS", "15"))
@@ -44,10 +45,16 @@ def runs(tmp_path_factory):
     inherited_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     with ThreadPoolExecutor(max_workers=AT_ONCE) as pool:
         started: dict[str, tuple[Path, Future]] = {}
-        for harness in HARNESSES:
+        for harness in selected(request.session.items):
             folder = tmp_path_factory.mktemp(harness)
             started[harness] = folder, pool.submit(smoke_run, harness, folder, seconds, inherited_mb)
         yield started
+
+
+def selected(items) -> list[str]:
+    """The harnesses of the collected tests of this file (after -k, -m and deselection)."""
+    return [item.callspec.params["harness"] for item in items
+            if item.originalname == "test_harness_smoke_run" and Path(item.path) == Path(__file__)]
 
 
 @pytest.mark.fuzz
