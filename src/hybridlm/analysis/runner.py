@@ -31,7 +31,6 @@ from hybridlm.figures import save_figure
 from hybridlm.errors import InputError
 
 
-
 @dataclass(frozen=True)
 class ConsensusConfig:
     model: str
