@@ -143,17 +143,58 @@ def _fed(tok, choice, text, *, parallel=False, codec="hermes", max_calls=None):
     return c
 
 
-def test_a_hermes_turn_may_call_without_the_tags_in_auto_only(smollm2):
+PRETTY = json.dumps({"name": "special_function", "arguments": {"arg1": 1}}, indent=2)  # as Qwen writes it free
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", "special_function"])
+def test_a_hermes_turn_may_call_without_the_tags(smollm2, choice):
+    """A turn that calls may be calls written as the model writes them left free (bare, or in a ```json block,
+    compact or pretty-printed; several in one block or each in a block of its own); "none" forbids them all."""
     tok = smollm2.tokenizer
-    for text in (CALL, f"```json\n{CALL}\n```"):
-        c = _fed(tok, "auto", text)
+    for text in (CALL, f"```json\n{CALL}\n```", f"```json\n{PRETTY}\n```", PRETTY):
+        c = _fed(tok, choice, text)
         assert c is not None and c.calls() == [ONE] and c.answer() == "", text
         assert _fed(tok, "none", text) is None  # no call where none may be made, tagged or not
-    two = _fed(tok, "auto", CALL + "\n" + CALL, parallel=True)
+    for between in ("\n", "\n```json\n", "\n```\n\n```json\n"):
+        two = _fed(tok, choice, f"```json\n{PRETTY}{between}{CALL}\n```", parallel=True)
+        assert two is not None and two.calls() == [ONE, ONE], between
+    assert _fed(tok, choice, f"```json\n{PRETTY}\n```json\n{CALL}", parallel=False) is None  # one call at most
+    two = _fed(tok, choice, CALL + "\n" + CALL, parallel=True)
     assert two is not None and two.calls() == [ONE, ONE]
-    for text in ("The answer is 42.", "```python\nprint(1)\n```"):  # free text stays free
-        c = _fed(tok, "auto", text)
-        assert c is not None and c.calls() == [] and c.answer() == text
+    if choice == "auto":
+        for text in ("The answer is 42.", "```python\nprint(1)\n```"):  # free text stays free
+            c = _fed(tok, "auto", text)
+            assert c is not None and c.calls() == [] and c.answer() == text
+
+
+@pytest.mark.parametrize("text", [
+    '```json\n{\n\n  "name": "special_function", "arguments": {"arg1": 1}}',  # a blank line
+    '```json\n{\n' + " " * 25 + '"name": "special_function", "arguments": {"arg1": 1}}',  # more than an indent
+    '```json\n{"name":  "special_function", "arguments": {"arg1": 1}}',  # two blanks
+])
+def test_a_pretty_printed_call_has_bounded_blanks(smollm2, text):
+    """The layout of a call written free is JSON's pretty-printing, bounded: a model cannot pad a call with blanks
+    until its budget is gone (library.JSON_PRETTY)."""
+    assert _fed(smollm2.tokenizer, "required", text) is None
+
+
+_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                       lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+                       max_leaves=6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(calls=st.lists(st.tuples(st.from_regex(r"[a-z_][a-z0-9_.]{0,12}", fullmatch=True),
+                                st.dictionaries(st.text(max_size=6), _values, max_size=3)), min_size=1, max_size=4),
+       indent=st.sampled_from([None, 2, 4]), fenced=st.booleans(),
+       between=st.sampled_from(["\n", "\n```json\n", "\n```\n```json\n", "\n```\n\n```json\n"]))
+def test_calls_written_without_tags_parse_back(calls, indent, fenced, between):
+    """Hermes reads a turn of calls written without the tags, in any of the layouts its grammar admits, as the
+    same calls, in order (a law over names, arguments and layouts)."""
+    objects = [json.dumps({"name": n, "arguments": a}, indent=indent, ensure_ascii=False) for n, a in calls]
+    text = ("```json\n" + between.join(objects) + "\n```") if fenced else "\n".join(objects)
+    parsed, error = Hermes().parse(text)
+    assert error is None and [(c.name, c.arguments) for c in parsed] == calls
 
 
 @pytest.mark.parametrize("codec, pad", [("hermes", "\n"), ("tagged_json", "")])

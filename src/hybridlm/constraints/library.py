@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 # Compact JSON in the form json.dumps writes (", " and ": "), with no other whitespace: a
 # free whitespace pattern would let a model pad a call with blanks until its budget is gone.
 JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# JSON as a model pretty-prints it in a Markdown block: between tokens nothing, one space, or one newline and an
+# indent. Bounded the same way: no blank lines, no run of blanks longer than an indent.
+JSON_PRETTY = {"whitespace_flexible": True, "whitespace_pattern": r"( |\n {0,24})?"}
 
 _by_object: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _by_content: dict[str, llguidance.LLTokenizer] = {}

@@ -6,9 +6,10 @@
 - `hermes`, the format of the models trained on it (Qwen2.5, Qwen3, Hermes 2/3, SmolLM3): their
   template lists the tools, writes each call on lines of its own between the tags and wraps the
   results; the grammar writes calls as the template does. A small model of the family often opens
-  its turn with the call's object and no tags, bare or in a ```json block (Qwen2.5-Coder-0.5B does):
-  read leniently, as llama.cpp's Hermes parser reads it, that turn is the same calls (`tagged`), and
-  the "auto" grammar lets a turn be such calls, so free text there may not begin with `{` or ```json.
+  its turn with the call's object and no tags, bare or in a ```json block, often pretty-printed
+  (Qwen2.5-Coder-0.5B does): read leniently, as llama.cpp's Hermes parser reads it, that turn is the
+  same calls (`tagged`), and the grammar of a turn that calls lets it be such calls (`untagged_rules`),
+  so free text in "auto" may not begin with `{` or ```json.
 
 A call is a JSON object with the tool's name and its arguments between the tags; several
 calls in one turn follow each other (a newline between them allowed) and end the turn. A
@@ -42,6 +43,7 @@ MAX_CALL_CHARS = 1_000_000  # a call longer than this is not parsed (bounds the 
 # parsers such as llama.cpp's Hermes parser also accept): the Hermes codec reads it as calls.
 FENCE = "```json"
 BARE = re.compile(r'[ \t\r\n]*(?:```(?:json)?[ \t]*\r?\n[ \t\r\n]*)?(?=\{[ \t\r\n]*"name")')
+FENCES = re.compile(r"(?:[ \t\r\n]*```(?:json)?(?=[ \t]*\r?\n))*[ \t\r\n]*")  # between bare objects: fences, blanks
 NOT_BARE = r"~/[ \t\r\n]*(```json[ \t\r\n]*)?\{(?s:.*)/"  # (Lark: text that does not open so)
 
 INSTRUCTIONS = (
@@ -162,11 +164,13 @@ def _call_schema(name: str, arguments: dict, name_key: str = "name", arguments_k
 
 
 def call_body(tools: dict[str, dict], max_string: int | None, *, name_key: str = "name",
-              arguments_key: str = "arguments", extra: dict | None = None) -> str:
-    """An inline %json schema of one call's object: the name one of `tools`, the arguments its schema."""
+              arguments_key: str = "arguments", extra: dict | None = None, pretty: bool = False) -> str:
+    """An inline %json schema of one call's object: the name one of `tools`, the arguments its schema
+    (`pretty`: written compact or pretty-printed, library.JSON_PRETTY; else compact, as templates write it)."""
     arguments, defs = argument_schemas(tools, max_string)
+    layout = library.JSON_PRETTY if pretty else library.JSON_FORMAT
     body: dict = {"anyOf": [_call_schema(n, arguments[n], name_key, arguments_key, extra) for n in tools],
-                  "x-guidance": {**library.JSON_FORMAT, "lenient": True}}
+                  "x-guidance": {**layout, "lenient": True}}
     if defs:
         body["$defs"] = defs
     return f"%json {json.dumps(body)}"
@@ -200,9 +204,9 @@ def lark(tools: dict[str, dict], choice: str, parallel: bool, max_calls: int | N
          *, pad: str = "", tokenizer=None, bare: bool = False) -> str:
     """The turn's grammar in llguidance's Lark format, each call's JSON an inline %json schema
     between the tags (`pad`: the text between a tag and the JSON, as the template writes it; a tag
-    that is a control token of the vocabulary, as Qwen's are, written as that token). `bare`: in
-    "auto", the turn may also be calls written without the tags (bare objects, or in a ```json
-    block), which free text may then not begin like; "none" forbids both."""
+    that is a control token of the vocabulary, as Qwen's are, written as that token). `bare`: a turn
+    that calls may also be calls written without the tags, as the model writes them when left free
+    (`untagged`), which free text in "auto" may then not begin like; "none" forbids both."""
     if choice == "none":  # (a control token is never allowed where the grammar does not name it)
         return no_call(OPEN, bare=bare)
     p = json.dumps(pad)
@@ -218,10 +222,9 @@ def lark(tools: dict[str, dict], choice: str, parallel: bool, max_calls: int | N
     more = repeat(parallel, max_calls, trail=newline)
     text = "TEXT: /(?s:.*)/" + (f" & {NOT_BARE}" if bare else "")
     untagged = ""
-    if bare and choice == "auto":
-        bodies = "body" + repeat(parallel, max_calls, newline, "body")
+    if bare:
         untagged = " | bare"
-        lines += [f'bare: body{repeat(parallel, max_calls, newline, "body", trail=newline)} | "```json\\n" {bodies} "\\n```"']
+        lines += untagged_rules(tools, parallel, max_calls, max_string)
     if choice == "auto" and opening.startswith("<["):  # free text cannot hold a token: it ends where the call opens
         # (a call may also open the turn, with no text before it)
         lines += ["start: TEXT | TEXT call" + more + " | call" + more + untagged, text]
@@ -233,8 +236,22 @@ def lark(tools: dict[str, dict], choice: str, parallel: bool, max_calls: int | N
             f"rest: {p} {closing}{more}",
         ]
     else:
-        lines += [f"start: call{more}"]
+        lines += [f"start: call{more}{untagged}"]
     return "\n".join(lines) + "\n"
+
+
+def untagged_rules(tools: dict[str, dict], parallel: bool, max_calls: int | None, max_string: int | None) -> list[str]:
+    """The Lark rules of a turn of calls written without the tags, as a small model of the Hermes family writes
+    them when left free: bare objects one per line, or in a ```json block, pretty-printed or compact. Several
+    calls in a block are separated by a newline, or each in a block of its own (Qwen2.5-Coder-0.5B opens the
+    next block right after the object: `}\n```json\n{`). What `tagged` reads."""
+    newline = '"\\n"'
+    return [
+        f"pretty: {call_body(tools, max_string, pretty=True)}",
+        'between: "\\n" | "\\n```json\\n" | "\\n```\\n```json\\n" | "\\n```\\n\\n```json\\n"',
+        f'bare: pretty{repeat(parallel, max_calls, newline, "pretty", trail=newline)}'
+        f' | "```json\\n" pretty{repeat(parallel, max_calls, "between", "pretty")} "\\n```" {newline}?',
+    ]
 
 
 # ---------------------------------------------------------------------- the codec
@@ -344,9 +361,8 @@ def tagged(text: str) -> str:
             out.append(f"{OPEN}\n{text[i:]}")
             break
         out.append(f"{OPEN}\n{text[i:j]}\n{CLOSE}")
-        i = j
-        while i < len(text) and text[i] in " \t\r\n":
-            i += 1
+        fences = FENCES.match(text, j)  # (the next object may be in a block of its own)
+        i = fences.end() if fences else j
     return "\n".join(out)
 
 
