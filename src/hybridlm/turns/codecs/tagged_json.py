@@ -243,8 +243,7 @@ def lark(tools: dict[str, dict], choice: str, parallel: bool, max_calls: int | N
 def untagged_rules(tools: dict[str, dict], parallel: bool, max_calls: int | None, max_string: int | None) -> list[str]:
     """The Lark rules of a turn of calls written without the tags, as a small model of the Hermes family writes
     them when left free: bare objects one per line, or in a ```json block, pretty-printed or compact. Several
-    calls in a block are separated by a newline, or each in a block of its own (Qwen2.5-Coder-0.5B opens the
-    next block right after the object: `}\n```json\n{`). What `tagged` reads."""
+    calls in a block are separated by a newline, or each is in a block of its own. What `tagged` reads."""
     newline = '"\\n"'
     return [
         f"pretty: {call_body(tools, max_string, pretty=True)}",
