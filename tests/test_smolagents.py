@@ -177,3 +177,42 @@ def test_the_same_task_with_tool_messages_makes_both_calls(qwen):
 def _text(content) -> str:
     """A message's content as text (smolagents sends a list of text parts; Qwen's template reads a string)."""
     return content if isinstance(content, str) else "".join(part["text"] for part in content)
+
+
+def test_a_call_written_in_a_block_streams_as_it_answers_whole(qwen):
+    """Under "required" Qwen writes its call in a ```json block, pretty-printed (its first choice after its own
+    template's prompt): the `openai` client reads the same call from the stream's deltas as from the whole answer,
+    and its arguments are JSON that follows the tool's schema."""
+    import jsonschema
+    import openai
+
+    parameters = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string",
+                                                                                      "enum": ["C", "F"]}},
+                  "required": ["city"]}
+    request = dict(model=MODEL, messages=[{"role": "user", "content": "What's the weather in Rome and in Paris?"}],
+                   tools=[{"type": "function", "function": {"name": "get_weather", "description": "The weather of a city",
+                                                            "parameters": parameters}}],
+                   tool_choice="required", temperature=0, max_tokens=120)
+    service = Service(qwen, model_id=MODEL)
+    with running(service) as url:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+        whole = client.chat.completions.create(**request)
+        streamed: dict[int, list[str]] = {}
+        finish = None
+        for chunk in client.chat.completions.create(**request, stream=True):
+            for delta in chunk.choices[0].delta.tool_calls or []:
+                entry = streamed.setdefault(delta.index, ["", ""])
+                entry[0] += delta.function.name or "" if delta.function else ""
+                entry[1] += delta.function.arguments or "" if delta.function else ""
+            finish = chunk.choices[0].finish_reason or finish
+        arc = service.arcs.get(whole.model_extra["hybridlm"]["arcs"][0])
+    text = qwen.tokenizer.decode(arc.generated)
+    print(f"{MODEL} under required: {text!r}")
+    assert text.startswith("```json\n{\n")  # the block, pretty-printed: the form the model chose (one call: it
+    # ends its turn after the first, as on BFCL's parallel tasks)
+    (call,) = whole.choices[0].message.tool_calls
+    assert whole.choices[0].finish_reason == finish == "tool_calls"
+    assert [(call.function.name, call.function.arguments)] == [tuple(v) for _, v in sorted(streamed.items())]
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, parameters)
+    assert call.function.name == "get_weather" and arguments["city"] == "Rome"
