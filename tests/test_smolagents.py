@@ -202,8 +202,9 @@ def test_a_call_written_in_a_block_streams_as_it_answers_whole(qwen):
         for chunk in client.chat.completions.create(**request, stream=True):
             for delta in chunk.choices[0].delta.tool_calls or []:
                 entry = streamed.setdefault(delta.index, ["", ""])
-                entry[0] += delta.function.name or "" if delta.function else ""
-                entry[1] += delta.function.arguments or "" if delta.function else ""
+                if delta.function is not None:
+                    entry[0] += delta.function.name or ""
+                    entry[1] += delta.function.arguments or ""
             finish = chunk.choices[0].finish_reason or finish
         arc = service.arcs.get(whole.model_extra["hybridlm"]["arcs"][0])
     text = qwen.tokenizer.decode(arc.generated)
