@@ -17,6 +17,9 @@ class ScriptState:
         self.tokens = tokens
         self.logits = None
 
+    def crop(self, n: int) -> None:
+        self.tokens = self.tokens[:n]
+
     def clone(self) -> "ScriptState":
         return ScriptState(list(self.tokens))
 

@@ -252,3 +252,64 @@ def test_a_servers_tool_the_grammar_cannot_write_is_left_out_with_a_warning(tok)
     own.register(Tool("mine", "The user's own tool.", bad, lambda s: s))
     with pytest.raises(InputError, match="tool mine"):
         HybridAgent(ScriptedModel(tok, ["4"]), own)
+
+
+@tool
+def get_temperature(city: str) -> str:
+    """The temperature in a city, in degrees Celsius."""
+    return "23.0"
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizers():
+    """Qwen2.5's vocabulary and chat template as hybridlm reads them from its GGUF file, and as `transformers` does."""
+    from transformers import AutoTokenizer
+
+    from hybridlm.errors import ModelNotFoundError
+    from hybridlm.weights.gguf_header import read_header
+    from hybridlm.weights.registry import real_model_path
+    from hybridlm.weights.vocab import tokenizer_from_metadata
+
+    try:
+        path = real_model_path("qwen2.5-coder-0.5b")
+    except ModelNotFoundError as exc:
+        pytest.skip(f"qwen2.5-coder-0.5b: {exc}")
+    ours = tokenizer_from_metadata(read_header(path).metadata, name="qwen2.5")
+    return ours, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+QWEN_CALL = {"name": "get_temperature", "arguments": {"city": "Rome"}}
+
+
+@pytest.mark.parametrize("written, rewritten", [
+    ("```json\n" + json.dumps(QWEN_CALL, indent=2) + "\n```<|im_end|>", True),  # in a block, pretty-printed
+    (json.dumps(QWEN_CALL), True),  # bare: the jump comes as the object closes
+    ("<tool_call>\n" + json.dumps(QWEN_CALL) + "\n</tool_call>", False),  # as the template writes it
+])
+def test_the_calling_turn_enters_the_state_as_the_template_writes_it(qwen_tokenizers, tmp_path, written, rewritten):
+    """ρ in the jump map: after the call, the state is `transformers`' rendering of the conversation with the
+    call as a structured `tool_calls` message, token for token, whichever way the model wrote the call (what a
+    client re-sending the conversation gets from llama.cpp's or vLLM's server); a turn already written that way
+    is kept as it is. The arc still records what the model wrote."""
+    tok, reference = qwen_tokenizers
+    tools = ToolRegistry()
+    tools.register(get_temperature)
+    task, answer = "What is the temperature in Rome?", "It is 23.0 °C in Rome."
+    model = ScriptedModel(tok, [written, answer])
+    arc = HybridAgent(model, tools, tool_choice="auto").run(task, trace=tmp_path / "arc.jsonl")
+    assert [(j.tool, j.arguments, j.observation) for j in arc.jumps] == [("get_temperature", {"city": "Rome"}, "23.0")]
+    assert arc.answer == answer and tok.decode(arc.generated_ids).startswith(written.removesuffix("<|im_end|>"))
+
+    conversation = [{"role": "user", "content": task},
+                    {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": QWEN_CALL}]},
+                    {"role": "tool", "content": "23.0"}]
+    schema = [{"type": "function", "function": get_temperature.schema()}]
+    text = reference.apply_chat_template(conversation, tools=schema, tokenize=False, add_generation_prompt=True)
+    expected = reference(text, add_special_tokens=False)["input_ids"]
+    assert model.contexts[-1][: len(expected)] == expected, tok.decode(model.contexts[-1])
+    assert expected in model.contexts  # the state at the token step that begins the answer
+    (rewrite,) = [e for e in read_trace(tmp_path / "arc.jsonl") if e["event"] == "rewrite"]
+    opened = reference.apply_chat_template(conversation[:1], tools=schema, tokenize=False, add_generation_prompt=True)
+    prompt = len(reference(opened, add_special_tokens=False)["input_ids"])
+    turn = len(tok.encode_markup(written))
+    assert (rewrite["kept"] < prompt + turn) == rewritten and rewrite["kept"] + rewrite["tokens"] == len(expected)

@@ -209,9 +209,10 @@ class HybridRunner:
 
 
 def distinct(calls: list[dict]) -> list[dict]:
-    """The calls without repeats, in the order first made. A model that makes a turn's parallel calls one per
-    turn instead, each after the previous one's result (Qwen2.5-Coder-0.5B does), repeats calls it has
-    already made; a repeated call adds nothing to the answer."""
+    """The calls without repeats, in the order first made. A model that makes a turn's parallel calls over
+    several turns instead, after the first one's result (Qwen2.5-Coder-0.5B does), lists calls it has already
+    made again, often the whole set over and over until the jump horizon; a repeated call adds nothing to the
+    answer."""
     out: list[dict] = []
     for call in calls:
         if call not in out:

@@ -119,6 +119,17 @@ class KVState:
         self.tokens = torch.cat([self.tokens, w], dim=1)
         self.n += w.shape[1]
 
+    @_ordinary
+    def crop(self, n: int) -> None:
+        """Keep the first n positions: the string's end is dropped (a jump map that rewrites it), its rows
+        written over by the next append."""
+        if not 0 <= n <= self.n:
+            raise ValueError(f"crop to {n} positions: the state holds {self.n}")
+        self.n = n
+        self.tokens = self.tokens[:, :n]
+        self.logits = None
+        self.successors = None
+
     def reset(self) -> None:
         self.n = 0
         self.tokens = self.tokens[:, :0]

@@ -35,6 +35,7 @@ KNOWN_FIELDS = {
     "end": {"answer", "stop_reason", "token_steps", "jumps", "wall_generate_s", "wall_external_s"},
     "batch": set(),  # drawn as marks; every field is shown with them
     "context": set(),
+    "rewrite": set(),
     "plant": {"plant", "name", "plant_t", "plant_time", "time", "state", "x", "u", "kind", "commanded", "applied",
               "h", "direction", "barrier"},
 }
@@ -174,7 +175,7 @@ class _ArcFold:
             self.jumps.add(e)
         elif kind == "control":
             self.controls.add({**_strip(e), "t": _num(e.get("t")), "k": _num(e.get("k"))})
-        elif kind in ("batch", "context"):
+        elif kind in ("batch", "context", "rewrite"):
             self.marks.add({"event": kind, "t": _num(e.get("t")), "k": _num(e.get("k")), "wall_s": _num(e.get("wall_s")),
                             "fields": _strip(e)})
         elif kind == "plant":

@@ -181,6 +181,19 @@ class Protocol:
                     break
         return tok.encode_rendered(call_end + after[len(before):])
 
+    def rewritten_turn_ids(self, messages: list[dict], turn: dict, observations: Sequence[str],
+                           names: Sequence[str] = (), ids: Sequence[str] = ()) -> list[int] | None:
+        """The assistant turn `turn` (its calls structured) and a tool turn per observation, then the
+        opening of the next assistant turn, as the template renders them after the generation prompt
+        that opened the turn; None where the rendering of `messages` with that prompt is not a prefix."""
+        tok, tools = self.tokenizer, self.tools()
+        opened = tok.render_chat_marked(messages, tools=tools, add_generation_prompt=True)
+        after = tok.render_chat_marked([*messages, turn, *self.tool_turns(observations, names, ids)], tools=tools,
+                                       add_generation_prompt=True)
+        if not after.startswith(opened):
+            return None
+        return tok.encode_rendered(after[len(opened):])
+
     def tool_turns(self, observations: Sequence[str], names: Sequence[str] = (), ids: Sequence[str] = ()) -> list[dict]:
         """The tool turns of a jump's observations, in the order of its calls."""
         names = list(names) + [""] * (len(observations) - len(names))

@@ -5,8 +5,9 @@
     flow map   f: one token step, w_{t+1} ~ p_θ(· | s_t) (masked by the turn's constraint),
                x_{t+1} = F(x_t, w_{t+1})  (the engine's, shared by every system)
     jump set   D = {q_G, the turn has just completed its calls}
-    jump map   g: run the calls for wall time (q_E), then s⁺ = Π_T(Φ(s, enc(y))), the
-               observations entering the state through a prefill phase; k ← k + 1
+    jump map   g: run the calls for wall time (q_E), then s⁺ = Π_T(Φ(ρ(s), enc(y))), the
+               observations entering the state through a prefill phase; k ← k + 1; ρ rewrites
+               the turn as the chat template writes its calls (identity for the project's format)
 
 The turn is the discrete part of the state: each assistant turn has one constraint
 (`Conversation.turn`), free text or calls of the offered tools in the call format's grammar
@@ -38,6 +39,7 @@ from hybridlm.engine.sequence import ArcState
 from hybridlm.engine.system import HybridSystem
 from hybridlm.tools import Observation
 from hybridlm.turns.constraint import FreeTurn, tool_call_constraint
+from hybridlm.turns.codecs.json_text import as_json
 from hybridlm.turns.protocol import Protocol, schema_of
 
 
@@ -204,14 +206,43 @@ class Conversation(HybridSystem):
             s.emit("jump", id=f"call-{s.name}-{s.k}", tool=name, arguments=arguments, observation=obs.text,
                    error=obs.error, duration_s=obs.duration_s, server=self.servers.get(name))
         closed = bool(s.turn) and s.turn[-1] in s.stop_ids  # the model closed its turn itself
-        s.messages.append({"role": "assistant", "content": s.call.text})  # (as written: the state holds it)
         observations, names = [obs.text for _, _, obs in results], [name for name, _, _ in results]
         made = s.call.calls()
         ids = [made[i].id if i < len(made) and made[i].id else self.codec.call_id(i, f"{s.k}-") for i in range(len(results))]
-        enc = self.protocol.observation_ids(s.messages, observations, turn_closed=closed, names=names, ids=ids)
+        rewrite = self._rewrite(s, results, ids)
+        if rewrite is not None:  # g rewrites the turn as the template writes it, then enc(y) follows
+            turn, kept, enc = rewrite
+            s.x.crop(kept)
+            s.messages.append(turn)
+            s.emit("rewrite", kept=kept, tokens=len(enc))
+        else:
+            s.messages.append({"role": "assistant", "content": s.call.text})  # (as written: the state holds it)
+            enc = self.protocol.observation_ids(s.messages, observations, turn_closed=closed, names=names, ids=ids)
         s.messages += self.protocol.tool_turns(observations, names, ids)
         s.constraint = self.turn(s, first=False)
         return enc
+
+    def _rewrite(self, s, results, ids) -> tuple[dict, int, list[int]] | None:
+        """The turn as its template writes it, its calls structured: what a client that sends the conversation
+        back gets (llama.cpp's or vLLM's server, this project's), and the format the model was trained on, where
+        it may have written its calls its own way (a ```json block, bare JSON). Returns the message, how many
+        positions of the state to keep (the string up to where the turn first differs from that rendering), and
+        the tokens that follow: the rest of the rendered turn, the tool turns, the next turn's opening. None
+        where the turn stays as written: the project's own format, a call that did not parse, a template that
+        does not render the conversation as growing prefixes, a state that cannot be cut."""
+        if not self.protocol.templated or not hasattr(s.x, "crop") or any(name == "?" for name, _, _ in results):
+            return None
+        calls = [(name, as_json(arguments)) for name, arguments, _ in results]
+        turn = self.protocol.assistant(self.codec.free_text(s.call.text).strip(), calls, ids)
+        observations, names = [obs.text for _, _, obs in results], [name for name, _, _ in results]
+        rendered = self.protocol.rewritten_turn_ids(s.messages, turn, observations, names, ids)
+        string, held = _string(s.x), list(s.turn)
+        if rendered is None or len(string) < len(held) or string[len(string) - len(held):] != held:
+            return None
+        same = 0
+        while same < min(len(held), len(rendered)) and held[same] == rendered[same]:
+            same += 1
+        return turn, len(string) - len(held) + same, rendered[same:]
 
     # ------------------------------------------------------------------ the end
     def answer(self, s) -> str:
@@ -239,6 +270,12 @@ class Conversation(HybridSystem):
         if o.answer_schema is not None:
             out["response_schema"] = o.answer_schema
         return {**out, **self.notes}
+
+
+def _string(x) -> list[int]:
+    """The string s a state summarises (a batch of one)."""
+    tokens = x.tokens
+    return tokens[0].tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
 
 
 def _nowhere(k: int, name: str, arguments) -> Observation:

@@ -428,7 +428,8 @@
     if (D.plant) plant(section("Plant", "plant"), D);
     if (D.marks.length) {
       var es = section("Engine events", "engine");
-      note(es, "batch: the sequence left or joined the engine's batch; context: a context-horizon jump (Π_T).");
+      note(es, "batch: the sequence left or joined the engine's batch; context: a context-horizon jump (Π_T); " +
+        "rewrite: the jump map wrote the calling turn as the chat template writes it (ρ).");
       table(es, D.marks.map(function (e) { return { event: e.event, t: e.t, k: e.k, "wall (s)": e.wall_s, fields: e.fields }; }));
     }
     if (D.unknown.length || D.extra_fields.length) {
@@ -497,10 +498,10 @@
     // engine marks and control actions
     D.marks.forEach(function (e) {
       var mk;
-      if (e.event === "context") {
+      if (e.event === "context" || e.event === "rewrite") {
         mk = s("g", { class: "context-mark" }, svg);
         s("line", { x1: x(e.t), x2: x(e.t), y1: m.t, y2: H - m.b, class: "context-line" }, mk);
-        s("text", { x: x(e.t) + 3, y: H - m.b - 4, class: "mark-label" }, mk, "Π_T");
+        s("text", { x: x(e.t) + 3, y: H - m.b - 4, class: "mark-label" }, mk, e.event === "context" ? "Π_T" : "ρ");
       } else {
         mk = s("path", { d: "M" + (x(e.t) - 5) + "," + (H - m.b) + "l5,-9l5,9z", class: "batch-mark" }, svg);
       }
