@@ -145,23 +145,37 @@ def test_a_two_tool_task_is_rendered_as_transformers_renders_it(qwen):
 def test_the_same_task_with_tool_messages_makes_both_calls(qwen):
     """The task and tools of the test above, the calls and results sent back as OpenAI tool messages (the
     openai client's own loop): Qwen chooses the converter itself after the first result, with its value, and
-    each request continues the arc of the one before (the server's state, not a new prefill)."""
+    each request continues the arc of the one before (the server's state, not a new prefill). The continued
+    state is `transformers`' rendering of the conversation sent, token for token, as a new prefill of it
+    would be: Qwen writes its calls in a ```json block, and the jump map writes them back as its template
+    does (ρ, docs/theory.md §4)."""
     import openai
     from smolagents.default_tools import FinalAnswerTool
     from smolagents.models import get_tool_json_schema
+    from transformers import AutoTokenizer
 
+    from hybridlm.weights.registry import real_model_path
+
+    path = real_model_path(MODEL)
+    reference = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     tools = {t.name: t for t in (get_temperature, celsius_to_fahrenheit, FinalAnswerTool())}
+    schemas = [get_tool_json_schema(t) for t in tools.values()]
     messages: list[dict] = [{"role": "user", "content": TWO_TOOLS}]
-    calls, arcs = [], []
-    with running(Service(qwen, model_id=MODEL)) as url:
+    calls, arcs, written = [], [], []
+    service = Service(qwen, model_id=MODEL)
+    with running(service) as url:
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
         for max_tokens in (100, 100, 1):  # the third request only shows that it continues the second arc
             r = client.chat.completions.create(model=MODEL, messages=messages, tool_choice="required", temperature=0,
-                                               tools=[get_tool_json_schema(t) for t in tools.values()],
-                                               max_tokens=max_tokens)
+                                               tools=schemas, max_tokens=max_tokens)
             ext = r.model_extra["hybridlm"]
             assert ext.get("continued_from") == (arcs[-1] if arcs else None), (calls, ext)
             arcs.append(ext["arcs"][0])
+            arc = service.arcs.get(arcs[-1])
+            written.append(qwen.tokenizer.decode(arc.generated))
+            text = reference.apply_chat_template(_arguments_parsed(messages), tools=schemas, tokenize=False,
+                                                 add_generation_prompt=True)
+            assert arc.prompt == reference(text, add_special_tokens=False)["input_ids"], written
             if max_tokens == 1:
                 break
             (call,) = r.choices[0].message.tool_calls
@@ -169,9 +183,21 @@ def test_the_same_task_with_tool_messages_makes_both_calls(qwen):
             result = tools[call.function.name](**calls[-1][1])
             messages += [r.choices[0].message.model_dump(exclude_none=True),
                          {"role": "tool", "tool_call_id": call.id, "content": str(result)}]
-    print(f"{MODEL} with tool messages: calls {calls}")
+    print(f"{MODEL} with tool messages: calls {calls}, written {written}")
     assert calls == [("get_temperature", {"city": "Rome"}), ("celsius_to_fahrenheit", {"celsius": 23.0})], calls
+    assert not written[0].startswith("<tool_call>"), written  # (so the turn was rewritten, not kept as written)
     assert messages[-1]["content"] == str(23.0 * 9 / 5 + 32)
+
+
+def _arguments_parsed(messages: list[dict]) -> list[dict]:
+    """The messages as a server gives them to a chat template: each call's arguments, a JSON string on the wire,
+    parsed into the object the template writes with its `tojson` (llama.cpp's and vLLM's servers do the same)."""
+    out = []
+    for m in messages:
+        calls = [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                 for c in m.get("tool_calls") or []]
+        out.append({**m, "tool_calls": calls} if calls else m)
+    return out
 
 
 def _text(content) -> str:

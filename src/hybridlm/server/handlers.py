@@ -238,8 +238,17 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
         if entry is not None:
             calls = messages[i].tool_calls or []
             observations, names, ids = [results[c.id] for c in calls], [c.function.name for c in calls], [c.id for c in calls]
-            resume = protocol.observation_ids(entry.messages, observations, turn_closed=entry.turn_closed, names=names,
-                                              ids=ids)
+            if entry.kept is None:
+                resume = protocol.observation_ids(entry.messages, observations, turn_closed=entry.turn_closed,
+                                                  names=names, ids=ids)
+            else:  # the rest of the turn as the template writes it, then the results (ρ, docs/theory.md §4)
+                rendered = protocol.rendered_turn_ids(entry.messages[:-1], entry.messages[-1], observations, names, ids)
+                held = C.state_tokens(entry.state)[-entry.kept:] if entry.kept else []
+                if rendered is not None and rendered[:entry.kept] == held:
+                    resume = rendered[entry.kept:]
+                else:  # (a template that writes the turn otherwise once results follow it: prefilled afresh)
+                    entry = None
+        if entry is not None:
             tmpl = entry.messages + protocol.tool_turns(observations, names, ids)
     if entry is None:
         tmpl = C.template_messages(messages, protocol)

@@ -51,6 +51,7 @@ class Continuation:
     turn_closed: bool  # the model emitted its end-of-turn token after the calls
     arc: str  # the arc that ended there
     t: int  # token steps of that arc
+    kept: int | None = None  # the calling turn's tokens the state keeps where ρ rewrote it (None: as written)
 
     @property
     def nbytes(self) -> int:

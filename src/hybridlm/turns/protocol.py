@@ -181,8 +181,8 @@ class Protocol:
                     break
         return tok.encode_rendered(call_end + after[len(before):])
 
-    def rewritten_turn_ids(self, messages: list[dict], turn: dict, observations: Sequence[str],
-                           names: Sequence[str] = (), ids: Sequence[str] = ()) -> list[int] | None:
+    def rendered_turn_ids(self, messages: list[dict], turn: dict, observations: Sequence[str] = (),
+                          names: Sequence[str] = (), ids: Sequence[str] = ()) -> list[int] | None:
         """The assistant turn `turn` (its calls structured) and a tool turn per observation, then the
         opening of the next assistant turn, as the template renders them after the generation prompt
         that opened the turn; None where the rendering of `messages` with that prompt is not a prefix."""
@@ -193,6 +193,19 @@ class Protocol:
         if not after.startswith(opened):
             return None
         return tok.encode_rendered(after[len(opened):])
+
+    def rewrite(self, messages: list[dict], turn: dict, held: Sequence[int], observations: Sequence[str] = (),
+                names: Sequence[str] = (), ids: Sequence[str] = ()) -> tuple[int, list[int]] | None:
+        """ρ of the jump map (docs/theory.md §4): how many of the tokens `held` that the model wrote in its
+        turn agree with the template's rendering of `turn` (`rendered_turn_ids`), and the rendering's tokens
+        after them; None where the template does not render the conversation as growing prefixes."""
+        rendered = self.rendered_turn_ids(messages, turn, observations, names, ids)
+        if rendered is None:
+            return None
+        same = 0
+        while same < min(len(held), len(rendered)) and held[same] == rendered[same]:
+            same += 1
+        return same, rendered[same:]
 
     def tool_turns(self, observations: Sequence[str], names: Sequence[str] = (), ids: Sequence[str] = ()) -> list[dict]:
         """The tool turns of a jump's observations, in the order of its calls."""

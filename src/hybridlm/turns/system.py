@@ -235,14 +235,14 @@ class Conversation(HybridSystem):
         calls = [(name, as_json(arguments)) for name, arguments, _ in results]
         turn = self.protocol.assistant(self.codec.free_text(s.call.text).strip(), calls, ids)
         observations, names = [obs.text for _, _, obs in results], [name for name, _, _ in results]
-        rendered = self.protocol.rewritten_turn_ids(s.messages, turn, observations, names, ids)
-        string, held = _string(s.x), list(s.turn)
-        if rendered is None or len(string) < len(held) or string[len(string) - len(held):] != held:
+        string, held = state_tokens(s.x), list(s.turn)
+        if len(string) < len(held) or string[len(string) - len(held):] != held:
             return None
-        same = 0
-        while same < min(len(held), len(rendered)) and held[same] == rendered[same]:
-            same += 1
-        return turn, len(string) - len(held) + same, rendered[same:]
+        rewrite = self.protocol.rewrite(s.messages, turn, held, observations, names, ids)
+        if rewrite is None:
+            return None
+        same, rest = rewrite
+        return turn, len(string) - len(held) + same, rest
 
     # ------------------------------------------------------------------ the end
     def answer(self, s) -> str:
@@ -272,8 +272,8 @@ class Conversation(HybridSystem):
         return {**out, **self.notes}
 
 
-def _string(x) -> list[int]:
-    """The string s a state summarises (a batch of one)."""
+def state_tokens(x) -> list[int]:
+    """The token string s a state holds (a batch of one)."""
     tokens = x.tokens
     return tokens[0].tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
 
