@@ -98,10 +98,11 @@ class ClientTools:
         """What the service keeps of an arc that ended in D at a client-side call: the state, under
         the key of the conversation the client will send back with the tool results (the request's
         conversation as the client sent it, then this turn's calls as the protocol gives them to the
-        template), and the conversation with the turn as the model wrote it (what the state holds, and
-        what enc(y) continues). The two differ where the arc continues an earlier one: s.messages holds
-        the earlier turns as the model wrote them, the client sends them back as structured calls
-        (the turns of the server's own jumps in this arc stay in the key: the client never sends them)."""
+        template), and the conversation as the state holds it (what enc(y) continues): the turn as the
+        template writes it where ρ cut the state there (`Continuation.kept`), else as the model wrote it.
+        The two differ where the arc continues an earlier one whose turns stayed as written, which the
+        client sends back as structured calls (the turns of the server's own jumps in this arc stay in
+        the key: the client never sends them)."""
         turns = turns_of(s, self.tokenizer)
         view = render(turns, final=True, stops=self.stops, client_tools=self.names, codec=self.protocol.codec,
                       repeats=self.repeats)
@@ -134,5 +135,3 @@ class ClientTools:
 def call_id(s, index: int) -> str:
     """The id of the index-th call of a sequence's last turn (unique: the arc's name is)."""
     return f"call_{s.name.split('-', 1)[-1]}_{index}"
-
-
