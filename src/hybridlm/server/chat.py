@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from hybridlm.server.service import Continuation
 from hybridlm.server.wire import invalid, text_of
 from hybridlm.turns import Protocol, render, turns_of
-from hybridlm.turns.system import state_tokens
+from hybridlm.turns.system import rewrite_state
 
 
 # ---------------------------------------------------------------------- the conversation
@@ -110,26 +110,13 @@ class ClientTools:
         sent = self.protocol.assistant(view.content, [(c.name, c.arguments) for c in view.calls], ids)
         written: dict = {"role": "assistant", "content": turns[-1]}
         closed = bool(s.turn) and s.turn[-1] in s.stop_ids
-        kept = self._rewrite(s, state, sent)
-        if kept is not None:  # ρ, as the agent's jump map applies it: the turn continues as the template writes it
+        cut = rewrite_state(self.protocol, state, s.turn, s.messages, sent)
+        kept = None if cut is None else cut[0]
+        if cut is not None:  # ρ, as the agent's jump map applies it: the turn continues as the template writes it
             written = sent
         client = s.messages if self.sent is None else self.sent + s.messages[self.start:]
         return conversation_key(client + [sent]), Continuation(state, s.messages + [written], ids, closed, s.name, s.t,
                                                                kept)
-
-    def _rewrite(self, s, state, sent: dict) -> int | None:
-        """Cut the kept state where the calling turn first differs from the template's rendering of `sent`;
-        how many of the turn's tokens it keeps (None: the turn stays as written)."""
-        if not self.protocol.templated or not hasattr(state, "crop"):
-            return None
-        string, held = state_tokens(state), list(s.turn)
-        if len(string) < len(held) or string[len(string) - len(held):] != held:
-            return None
-        rewrite = self.protocol.rewrite(s.messages, sent, held)
-        if rewrite is None:
-            return None
-        state.crop(len(string) - len(held) + rewrite[0])
-        return rewrite[0]
 
 
 def call_id(s, index: int) -> str:

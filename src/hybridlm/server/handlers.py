@@ -34,6 +34,7 @@ from hybridlm.server.wire import (
 from hybridlm.turns import (
     TAGGED_JSON, CallCodec, Conversation, Offer, Protocol, View, codec_for, render, tool_call_constraint, turns_of,
 )
+from hybridlm.turns.system import state_tokens
 
 FINISH: dict[Termination | None, str] = {
     Termination.STOP_TOKEN: "stop", Termination.STOP_SEQUENCE: "stop", Termination.CONSTRAINT: "stop",
@@ -243,7 +244,7 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
                                                   names=names, ids=ids)
             else:  # the rest of the turn as the template writes it, then the results (ρ, docs/theory.md §4)
                 rendered = protocol.rendered_turn_ids(entry.messages[:-1], entry.messages[-1], observations, names, ids)
-                held = C.state_tokens(entry.state)[-entry.kept:] if entry.kept else []
+                held = state_tokens(entry.state)[-entry.kept:] if entry.kept else []
                 if rendered is not None and rendered[:entry.kept] == held:
                     resume = rendered[entry.kept:]
                 else:  # (a template that writes the turn otherwise once results follow it: prefilled afresh)
@@ -257,7 +258,7 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
         except HybridLMError as exc:
             raise invalid(str(exc), param="messages") from None
     else:
-        prompt, marks = C.state_tokens(entry.state) + resume, []
+        prompt, marks = state_tokens(entry.state) + resume, []
     asked = body.max_completion_tokens or body.max_tokens or (body.n_predict if (body.n_predict or 0) > 0 else None)
     budget = _budget(service, len(prompt), asked, "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     kernel = _kernel(body, service.model.config.vocab_size)

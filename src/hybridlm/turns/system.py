@@ -209,10 +209,14 @@ class Conversation(HybridSystem):
         observations, names = [obs.text for _, _, obs in results], [name for name, _, _ in results]
         made = s.call.calls()
         ids = [made[i].id if i < len(made) and made[i].id else self.codec.call_id(i, f"{s.k}-") for i in range(len(results))]
-        rewrite = self._rewrite(s, results, ids)
-        if rewrite is not None:  # g rewrites the turn as the template writes it, then enc(y) follows
-            turn, kept, enc = rewrite
-            s.x.crop(kept)
+        turn = None
+        if all(name != "?" for name in names):  # (a call that did not parse stays as written)
+            calls = [(name, as_json(arguments)) for name, arguments, _ in results]
+            turn = self.protocol.assistant(self.codec.free_text(s.call.text).strip(), calls, ids)
+        cut = None if turn is None else rewrite_state(self.protocol, s.x, s.turn, s.messages, turn, observations,
+                                                      names, ids)
+        if cut is not None:  # g rewrites the turn as the template writes it, then enc(y) follows
+            kept, enc = cut[1], cut[2]
             s.messages.append(turn)
             s.emit("rewrite", kept=kept, tokens=len(enc))
         else:
@@ -221,28 +225,6 @@ class Conversation(HybridSystem):
         s.messages += self.protocol.tool_turns(observations, names, ids)
         s.constraint = self.turn(s, first=False)
         return enc
-
-    def _rewrite(self, s, results, ids) -> tuple[dict, int, list[int]] | None:
-        """The turn as its template writes it, its calls structured: what a client that sends the conversation
-        back gets (llama.cpp's or vLLM's server, this project's), and the format the model was trained on, where
-        it may have written its calls its own way (a ```json block, bare JSON). Returns the message, how many
-        positions of the state to keep (the string up to where the turn first differs from that rendering), and
-        the tokens that follow: the rest of the rendered turn, the tool turns, the next turn's opening. None
-        where the turn stays as written: the project's own format, a call that did not parse, a template that
-        does not render the conversation as growing prefixes, a state that cannot be cut."""
-        if not self.protocol.templated or not hasattr(s.x, "crop") or any(name == "?" for name, _, _ in results):
-            return None
-        calls = [(name, as_json(arguments)) for name, arguments, _ in results]
-        turn = self.protocol.assistant(self.codec.free_text(s.call.text).strip(), calls, ids)
-        observations, names = [obs.text for _, _, obs in results], [name for name, _, _ in results]
-        string, held = state_tokens(s.x), list(s.turn)
-        if len(string) < len(held) or string[len(string) - len(held):] != held:
-            return None
-        rewrite = self.protocol.rewrite(s.messages, turn, held, observations, names, ids)
-        if rewrite is None:
-            return None
-        same, rest = rewrite
-        return turn, len(string) - len(held) + same, rest
 
     # ------------------------------------------------------------------ the end
     def answer(self, s) -> str:
@@ -270,6 +252,29 @@ class Conversation(HybridSystem):
         if o.answer_schema is not None:
             out["response_schema"] = o.answer_schema
         return {**out, **self.notes}
+
+
+def rewrite_state(protocol: Protocol, x, held, messages: list[dict], turn: dict, observations=(), names=(),
+                  ids=()) -> tuple[int, int, list[int]] | None:
+    """ρ on a state whose string ends with the tokens `held` of a turn that called: cut where they first
+    differ from the template's rendering of `turn` (its calls structured: what a client that sends the
+    conversation back gets from a server, and the format the model was trained on). Returns how many of
+    `held` it keeps, the state's length after the cut, and the rendering's tokens after them (the rest of
+    the turn, a tool turn per observation, the next turn's opening). None, the state untouched, where the
+    turn stays as written: the project's own format, a template that does not render the conversation as
+    growing prefixes, a state that cannot be cut or does not end with `held`."""
+    if not protocol.templated or not hasattr(x, "crop"):
+        return None
+    string, held = state_tokens(x), list(held)
+    if len(string) < len(held) or string[len(string) - len(held):] != held:
+        return None
+    rewrite = protocol.rewrite(messages, turn, held, observations, names, ids)
+    if rewrite is None:
+        return None
+    same, rest = rewrite
+    kept = len(string) - len(held) + same
+    x.crop(kept)
+    return same, kept, rest
 
 
 def state_tokens(x) -> list[int]:
