@@ -433,6 +433,44 @@ def test_tool_schemas_that_refer_into_themselves_are_constrained(smol):
         jsonschema.validate(call.arguments, box if call.name == "area" else tools[1]["parameters"])
 
 
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-1000, 1000) | st.text(max_size=6),
+                           lambda c: st.lists(c, max_size=3) | st.dictionaries(NAMES, c, max_size=3), max_leaves=5)
+
+
+@settings(max_examples=80, deadline=None, phases=GENERATE)
+@given(prop=schemas(), default=JSON_VALUES, value=JSON_VALUES, required=st.booleans())
+def test_an_optional_property_takes_its_declared_default(prop, default, value, required):
+    """jsonschema judges: an optional property takes its declared default besides what its own schema takes, and
+    nothing else; a required property's schema is left as it was (its default is never what the function gets)."""
+    from hybridlm.constraints import tool_schema
+
+    params = {"type": "object", "properties": {"x": {**prop, "default": default}}, "required": ["x"] * required,
+              "additionalProperties": False}
+    widened = jsonschema.Draft202012Validator(tool_schema(params)).is_valid
+    before = jsonschema.Draft202012Validator(params).is_valid
+    is_default = jsonschema.Draft202012Validator({"const": default}).is_valid(value)
+    assert widened({"x": default}) or required
+    assert widened({"x": value}) == (before({"x": value}) or (is_default and not required))
+
+
+def test_a_call_may_write_out_a_default_its_type_does_not_admit(smol):
+    """A string whose default is null (how `Optional[str] = None` is often declared) and an enum whose default is
+    not one of its values: the call may write the default out, token by token as the tokenizer splits it, and
+    parses to it; the same property required takes no null."""
+    params = {"type": "object", "required": ["song"], "properties": {
+        "song": {"type": "string"}, "device": {"type": "string", "default": None},
+        "unit": {"type": "string", "enum": ["seconds", "milliseconds"], "default": "N/A"}}}
+    arguments = {"song": "roar", "device": None, "unit": "N/A"}
+    c = tool_call_constraint(smol, [{"name": "play", "parameters": params}], "required", vocab_size=smol.vocab_size)
+    feed(c, smol.encode(call("play", arguments)))
+    assert [(x.name, x.arguments) for x in c.calls()] == [("play", arguments)]
+    required = {**params, "required": ["song", "device"]}
+    c = tool_call_constraint(smol, [{"name": "play", "parameters": required}], "required",
+                             vocab_size=smol.vocab_size)
+    with pytest.raises(AssertionError, match="refused"):
+        feed(c, smol.encode(call("play", {"song": "roar", "device": None})))
+
+
 # ---------------------------------------------------------------------- the budget on long completions
 def _quote_bias(tok):
     """Logits that never want a quote: a model that would write every string forever."""

@@ -78,7 +78,32 @@ def tool_schema(schema, max_string: int | None = None):
         missing = [k for k in out.get("required") or [] if isinstance(k, str) and k not in out["properties"]]
         if missing and isinstance(out["properties"], dict):
             out["properties"] = {**out["properties"], **{k: {} for k in missing}}
+    if isinstance(out.get("properties"), dict):
+        out["properties"] = admit_defaults(out["properties"], out.get("required") or [])
     return out
+
+
+def admit_defaults(properties: dict, required) -> dict:
+    """The properties, each optional one whose declared default its own schema rejects widened to take that
+    default too. The default is what the function receives when the key is left out, so writing it out is
+    the same call; tool schemas often declare one their type or enum does not admit (`"type": "string",
+    "default": null`, as `Optional[str] = None` is often written; an enum without its "N/A" default)."""
+    out = {}
+    for key, prop in properties.items():
+        if isinstance(prop, dict) and "default" in prop and key not in required and not _admits(prop, prop["default"]):
+            prop = {"anyOf": [prop, {"const": prop["default"]}]}
+        out[key] = prop
+    return out
+
+
+def _admits(schema: dict, value) -> bool:
+    """The schema admits the value (a schema that refers elsewhere is taken to admit it: it is left as it is)."""
+    import jsonschema
+
+    try:
+        return jsonschema.Draft202012Validator(schema).is_valid(value)
+    except Exception:  # noqa: BLE001 - an unresolvable $ref, a malformed or hostile schema: left as it is
+        return True
 
 
 def _rebase_refs(schema, base: str):
