@@ -441,16 +441,28 @@ JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-1000, 1000) 
 @given(prop=schemas(), default=JSON_VALUES, value=JSON_VALUES, required=st.booleans())
 def test_an_optional_property_takes_its_declared_default(prop, default, value, required):
     """jsonschema judges: an optional property takes its declared default besides what its own schema takes, and
-    nothing else; a required property's schema is left as it was (its default is never what the function gets)."""
+    nothing else; a required property's schema is left as it was (its default is never what the function gets),
+    and so is one whose pattern would have to judge a string of the default (no client regex is run here)."""
     from hybridlm.constraints import tool_schema
 
     params = {"type": "object", "properties": {"x": {**prop, "default": default}}, "required": ["x"] * required,
               "additionalProperties": False}
     widened = jsonschema.Draft202012Validator(tool_schema(params)).is_valid
     before = jsonschema.Draft202012Validator(params).is_valid
-    is_default = jsonschema.Draft202012Validator({"const": default}).is_valid(value)
-    assert widened({"x": default}) or required
+    judged_by_pattern = "pattern" in json.dumps(prop) and "\"" in json.dumps(default)
+    is_default = jsonschema.Draft202012Validator({"const": default}).is_valid(value) and not judged_by_pattern
+    assert widened({"x": default}) or required or judged_by_pattern
     assert widened({"x": value}) == (before({"x": value}) or (is_default and not required))
+
+
+def test_a_default_is_never_judged_by_a_clients_pattern():
+    """A catastrophic pattern and a default it rejects only after backtracking: the schema is left as declared
+    (were the pattern run, the default would be found outside it, after seconds, and admitted)."""
+    from hybridlm.constraints import tool_schema
+
+    prop = {"type": "string", "pattern": "^(a+)+$", "default": "a" * 22 + "!"}
+    params = {"type": "object", "properties": {"x": prop}}
+    assert tool_schema(params)["properties"] == {"x": prop}
 
 
 def test_a_call_may_write_out_a_default_its_type_does_not_admit(smol):

@@ -97,13 +97,29 @@ def admit_defaults(properties: dict, required) -> dict:
 
 
 def _admits(schema: dict, value) -> bool:
-    """The schema admits the value (a schema that refers elsewhere is taken to admit it: it is left as it is)."""
+    """The schema admits the value, as jsonschema judges. A schema it cannot judge (a $ref out of it, a malformed
+    one) is taken to admit it, and so is a string judged by a pattern: a client's regular expression is never run
+    on Python's backtracking engine (`(a+)+$` on a default of 40 a's would hold the server for hours)."""
     import jsonschema
 
+    if _holds_string(value) and _has_pattern(schema):
+        return True
     try:
         return jsonschema.Draft202012Validator(schema).is_valid(value)
     except Exception:  # noqa: BLE001 - an unresolvable $ref, a malformed or hostile schema: left as it is
         return True
+
+
+def _has_pattern(schema) -> bool:
+    if isinstance(schema, dict):
+        return bool({"pattern", "patternProperties"} & set(schema)) or any(_has_pattern(v) for v in schema.values())
+    return isinstance(schema, list) and any(_has_pattern(v) for v in schema)
+
+
+def _holds_string(value) -> bool:
+    if isinstance(value, dict):
+        return bool(value) or any(_holds_string(v) for v in value.values())  # (its keys are strings)
+    return isinstance(value, str) or (isinstance(value, list) and any(_holds_string(v) for v in value))
 
 
 def _rebase_refs(schema, base: str):
