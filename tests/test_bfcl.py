@@ -138,3 +138,28 @@ def test_parallel_calls_made_one_per_turn_are_read_without_repeats():
     assert not bfcl.check(task, made)["valid"]
     assert bfcl.distinct(made) == calls and bfcl.check(task, bfcl.distinct(made))["valid"]
     assert bfcl.distinct([]) == []
+
+
+def test_a_default_written_out_is_taken_by_the_checker_and_by_the_runners_grammar():
+    """BFCL's checker is the reference. Each answer with an optional parameter written out as its declared default,
+    where the checker takes it, validates against the schema the runner's turns enforce (admit_defaults); many of
+    them (null for a string declared `"default": null`) do not validate against JSON Schema's reading."""
+    from hybridlm.constraints.calls import admit_defaults
+
+    taken = widened_only = 0
+    for category in ("simple_python", "live_simple", "multiple"):
+        for task in bfcl.tasks(category)[:100]:
+            ((name, arguments),) = first_answer(task)[0].items()
+            ((_, accepted),) = task.answer[0].items()
+            declared = next(f for f in task.functions if f["name"] == name)["parameters"]
+            for key, prop in (declared.get("properties") or {}).items():
+                if key in arguments or "default" not in prop or key not in accepted:
+                    continue
+                call = {**arguments, key: prop["default"]}
+                if not bfcl.check(task, [{name: call}])["valid"]:
+                    continue  # (the checker does not take this default: nothing to admit)
+                taken += 1  # (the parameter itself is judged: BFCL's data has answers its own schemas refuse elsewhere)
+                schema = bfcl.json_schema(declared)
+                jsonschema.validate(prop["default"], admit_defaults(schema)["properties"][key])
+                widened_only += not jsonschema.Draft202012Validator(schema["properties"][key]).is_valid(prop["default"])
+    assert taken > 50 and widened_only > 5, (taken, widened_only)

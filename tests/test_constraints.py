@@ -440,14 +440,15 @@ JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-1000, 1000) 
 @settings(max_examples=80, deadline=None, phases=GENERATE)
 @given(prop=schemas(), default=JSON_VALUES, value=JSON_VALUES, required=st.booleans())
 def test_an_optional_property_takes_its_declared_default(prop, default, value, required):
-    """jsonschema judges: an optional property takes its declared default besides what its own schema takes, and
-    nothing else; a required property's schema is left as it was (its default is never what the function gets),
-    and so is one whose pattern would have to judge a string of the default (no client regex is run here)."""
-    from hybridlm.constraints import tool_schema
+    """jsonschema judges: asked to, an optional property takes its declared default besides what its own schema
+    takes, and nothing else; a required property's schema is left as it was (its default is never what the
+    function gets), and so is one whose pattern would have to judge a string of the default (no schema's regex
+    is run here)."""
+    from hybridlm.constraints.calls import admit_defaults
 
     params = {"type": "object", "properties": {"x": {**prop, "default": default}}, "required": ["x"] * required,
               "additionalProperties": False}
-    widened = jsonschema.Draft202012Validator(tool_schema(params)).is_valid
+    widened = jsonschema.Draft202012Validator(admit_defaults(params)).is_valid
     before = jsonschema.Draft202012Validator(params).is_valid
     judged_by_pattern = "pattern" in json.dumps(prop) and "\"" in json.dumps(default)
     is_default = jsonschema.Draft202012Validator({"const": default}).is_valid(value) and not judged_by_pattern
@@ -458,29 +459,33 @@ def test_an_optional_property_takes_its_declared_default(prop, default, value, r
 def test_a_default_is_never_judged_by_a_clients_pattern():
     """A catastrophic pattern and a default it rejects only after backtracking: the schema is left as declared
     (were the pattern run, the default would be found outside it, after seconds, and admitted)."""
-    from hybridlm.constraints import tool_schema
+    from hybridlm.constraints.calls import admit_defaults
 
     prop = {"type": "string", "pattern": "^(a+)+$", "default": "a" * 22 + "!"}
     params = {"type": "object", "properties": {"x": prop}}
-    assert tool_schema(params)["properties"] == {"x": prop}
+    assert admit_defaults(params) == params
 
 
-def test_a_call_may_write_out_a_default_its_type_does_not_admit(smol):
-    """A string whose default is null (how `Optional[str] = None` is often declared) and an enum whose default is
-    not one of its values: the call may write the default out, token by token as the tokenizer splits it, and
-    parses to it; the same property required takes no null."""
+def test_asked_to_a_call_may_write_out_a_default_its_type_does_not_admit(smol):
+    """A string whose default is null (how `= None` is often declared) and an enum whose default is not one of its
+    values, nested in an object too: asked to (BFCL's runner), the call may write the defaults out, token by token
+    as the tokenizer splits them, and parses to them. Not asked (the server, the agent's default), the schema is
+    JSON Schema's, where a default is an annotation: null is refused; so it is for a required property."""
     params = {"type": "object", "required": ["song"], "properties": {
         "song": {"type": "string"}, "device": {"type": "string", "default": None},
-        "unit": {"type": "string", "enum": ["seconds", "milliseconds"], "default": "N/A"}}}
-    arguments = {"song": "roar", "device": None, "unit": "N/A"}
-    c = tool_call_constraint(smol, [{"name": "play", "parameters": params}], "required", vocab_size=smol.vocab_size)
+        "unit": {"type": "string", "enum": ["seconds", "milliseconds"], "default": "N/A"},
+        "where": {"type": "object", "properties": {"room": {"type": "integer", "default": None}}}}}
+    arguments = {"song": "roar", "device": None, "unit": "N/A", "where": {"room": None}}
+    c = tool_call_constraint(smol, [{"name": "play", "parameters": params}], "required", vocab_size=smol.vocab_size,
+                             defaults=True)
     feed(c, smol.encode(call("play", arguments)))
     assert [(x.name, x.arguments) for x in c.calls()] == [("play", arguments)]
     required = {**params, "required": ["song", "device"]}
-    c = tool_call_constraint(smol, [{"name": "play", "parameters": required}], "required",
-                             vocab_size=smol.vocab_size)
-    with pytest.raises(AssertionError, match="refused"):
-        feed(c, smol.encode(call("play", {"song": "roar", "device": None})))
+    for schema, defaults in ((params, False), (required, True)):
+        c = tool_call_constraint(smol, [{"name": "play", "parameters": schema}], "required",
+                                 vocab_size=smol.vocab_size, defaults=defaults)
+        with pytest.raises(AssertionError, match="refused"):
+            feed(c, smol.encode(call("play", {"song": "roar", "device": None})))
 
 
 # ---------------------------------------------------------------------- the budget on long completions

@@ -96,6 +96,7 @@ class HybridAgent:
         prefix_cache: PrefixCache | None = None,
         codec: CallCodec | None = None,
         system: str = "",
+        admit_defaults: bool = False,
     ) -> None:
         if getattr(model, "tokenizer", None) is None:
             raise InputError("the agent needs a model with a tokenizer and a chat template")
@@ -120,7 +121,8 @@ class HybridAgent:
         # the fixed part of every prompt (system prompt, tools, example) is prefilled once
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(128 * 2**20)
         offer = Offer(tools=tuple(t.offered() for t in tools),
-                      choice=self.tool_choice, parallel=parallel_tool_calls, constrain=constrain)
+                      choice=self.tool_choice, parallel=parallel_tool_calls, constrain=constrain,
+                      defaults=admit_defaults)
         self.system = Conversation(self.tokenizer, self.protocol, offer, vocab_size=model.config.vocab_size,
                                    run=self._call, outcome=self.arc_of, kind="agent")
         self.replay: list[dict] | None = None  # recorded observations, for replay
@@ -231,7 +233,8 @@ def replay(trace_path: str | Path, model) -> tuple[Arc, bool, int | None]:
     agent = HybridAgent(model, tools, kernel=Kernel(**start["kernel"]), limits=Limits(**start["limits"]),
                         tool_choice=start["tool_choice"], seed=start["seed"], constrain=start.get("constrain", True),
                         parallel_tool_calls=start.get("parallel_tool_calls", False),
-                        context=start.get("context") or ContextPolicy())
+                        context=start.get("context") or ContextPolicy(),
+                        admit_defaults=start.get("admit_defaults", False) is True)
     agent.replay = jumps
     cut = cut_short(events)
     s = agent.sequence(start["task"])

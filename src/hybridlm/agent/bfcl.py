@@ -200,8 +200,10 @@ class HybridRunner:
                                 runs_in="thread"))
         parallel = "parallel" in task.category  # several calls: in one turn (jumps at one token step) or over turns
         calls = PARALLEL_HORIZON if parallel else 1
+        # BFCL's functions are Python's: an optional parameter takes its declared default (null for `= None`,
+        # whatever type is declared beside it), and BFCL's checker takes the default written out
         agent = HybridAgent(self.model, tools, tool_choice="required", constrain=self.constrained,
-                            parallel_tool_calls=parallel, system=task.system,
+                            parallel_tool_calls=parallel, system=task.system, admit_defaults=True,
                             limits=Limits(max_token_steps=self.max_token_steps * min(calls, 2), max_jumps=calls,
                                           max_jumps_per_step=calls))
         arc = agent.run(task.question)

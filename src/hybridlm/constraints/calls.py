@@ -78,28 +78,43 @@ def tool_schema(schema, max_string: int | None = None):
         missing = [k for k in out.get("required") or [] if isinstance(k, str) and k not in out["properties"]]
         if missing and isinstance(out["properties"], dict):
             out["properties"] = {**out["properties"], **{k: {} for k in missing}}
-    if isinstance(out.get("properties"), dict):
-        out["properties"] = admit_defaults(out["properties"], out.get("required") or [])
     return out
 
 
-def admit_defaults(properties: dict, required) -> dict:
-    """The properties, each optional one whose declared default its own schema rejects widened to take that
-    default too. The default is what the function receives when the key is left out, so writing it out is
-    the same call; tool schemas often declare one their type or enum does not admit (`"type": "string",
-    "default": null`, as `Optional[str] = None` is often written; an enum without its "N/A" default)."""
-    out = {}
-    for key, prop in properties.items():
-        if isinstance(prop, dict) and "default" in prop and key not in required and not _admits(prop, prop["default"]):
-            prop = {"anyOf": [prop, {"const": prop["default"]}]}
-        out[key] = prop
+def admit_defaults(schema):
+    """The schema with each optional property whose declared default its own schema rejects widened to take that
+    default too, in every object it describes.
+
+    This is how a Python signature reads: a parameter's default is what the function receives when the key is
+    left out, so a call that writes it out is the same call, whatever type the rest of the declaration gives
+    (`"type": "string", "default": null` for `= None`; an enum beside its "N/A" default). BFCL declares its
+    functions so, and its checker takes the default written out. JSON Schema itself does not (a default is an
+    annotation; pydantic refuses null for `x: str = None`), so it is asked for, never assumed.
+    """
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
+            out[key] = {k: admit_defaults(v) for k, v in value.items()}
+        elif key in ("items", "additionalProperties", "not", "contains") and isinstance(value, dict):
+            out[key] = admit_defaults(value)
+        elif key in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(value, list):
+            out[key] = [admit_defaults(v) for v in value]
+    properties, required = out.get("properties"), out.get("required") or []
+    if isinstance(properties, dict):
+        out["properties"] = {
+            key: {"anyOf": [prop, {"const": prop["default"]}]}
+            if isinstance(prop, dict) and "default" in prop and key not in required and not _admits(prop, prop["default"])
+            else prop
+            for key, prop in properties.items()}
     return out
 
 
 def _admits(schema: dict, value) -> bool:
     """The schema admits the value, as jsonschema judges. A schema it cannot judge (a $ref out of it, a malformed
-    one) is taken to admit it, and so is a string judged by a pattern: a client's regular expression is never run
-    on Python's backtracking engine (`(a+)+$` on a default of 40 a's would hold the server for hours)."""
+    one) is taken to admit it, and so is a string judged by a pattern: a schema's regular expression is never run
+    on Python's backtracking engine (`(a+)+$` on a default of 40 a's would run for hours)."""
     import jsonschema
 
     if _holds_string(value) and _has_pattern(schema):

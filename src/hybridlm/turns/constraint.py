@@ -17,7 +17,7 @@ import json
 import warnings
 
 from hybridlm.constraints import library
-from hybridlm.constraints.calls import tool_choice_name, tool_schema, tool_specs
+from hybridlm.constraints.calls import admit_defaults, tool_choice_name, tool_schema, tool_specs
 from hybridlm.constraints.grammar import TAIL, WITNESS_CAP, GrammarConstraint, closing_witness
 from hybridlm.errors import InputError
 from hybridlm.tools import ToolRegistry
@@ -101,7 +101,7 @@ def distinct(calls: list[ToolCall]) -> list[ToolCall]:
 def tool_call_constraint(tokenizer, tools, tool_choice="auto", *, parallel: bool = False,
                          max_calls: int | None = None, budget: int | None = None, max_string: int | None = None,
                          vocab_size: int | None = None, codec: CallCodec = TAGGED_JSON,
-                         repeats: bool = True) -> ToolCallConstraint:
+                         repeats: bool = True, defaults: bool = False) -> ToolCallConstraint:
     """The tool-call constraint of one turn, in the call format `codec`.
 
     tools: the offered tools (objects with .name and .parameters, e.g. a ToolRegistry, or
@@ -111,6 +111,8 @@ def tool_call_constraint(tokenizer, tools, tool_choice="auto", *, parallel: bool
     take in all (the call is closed in time); max_string: the longest string argument
     (characters) where the schema sets no shorter maxLength. repeats=False: a call identical to an
     earlier one of the turn (a small model's loop) is not made: the turn is closed right after it.
+    defaults=True: an optional argument may also be its declared default where its schema does not admit it
+    (hybridlm.constraints.calls.admit_defaults: a Python signature's reading, asked for by BFCL's runner).
     """
     specs = tool_specs(tools)
     choice = tool_choice_name(tool_choice, specs)
@@ -119,6 +121,8 @@ def tool_call_constraint(tokenizer, tools, tool_choice="auto", *, parallel: bool
     if max_string is not None and max_string < 0:
         raise InputError(f"max_string={max_string}: expected ≥ 0")
     offered = specs if choice in ("auto", "required", "none") else {choice: specs[choice]}
+    if defaults:
+        offered = {name: admit_defaults(params) for name, params in offered.items()}
     if not offered and choice != "none":
         raise InputError("tool_call_constraint: no tools offered; use tool_choice='none'")
     lib = library.library_tokenizer(tokenizer)

@@ -56,6 +56,7 @@ class Offer:
     answer_grammar: str | None = None  # else a compiled llguidance grammar of the answer (a regex, a grammar)
     stops: tuple[str, ...] = ()  # stop strings of the answer
     repeats: bool = False  # a call identical to an earlier one of its turn may be made (else the turn ends)
+    defaults: bool = False  # an optional argument may be its declared default, whatever its type (admit_defaults)
 
 
 class Elsewhere(Interface):
@@ -108,7 +109,7 @@ class Conversation(HybridSystem):
         parallel = o.parallel and (left is None or left > 1)
         return tool_call_constraint(self.tokenizer, self.schemas, choice, parallel=parallel,
                                     max_calls=left if parallel else None, budget=budget, vocab_size=self.vocab_size,
-                                    codec=self.codec, repeats=o.repeats)
+                                    codec=self.codec, repeats=o.repeats, defaults=o.defaults)
 
     # ------------------------------------------------------------------ C and f
     def controlled(self, s) -> bool:
@@ -247,6 +248,8 @@ class Conversation(HybridSystem):
             out["task"] = s.task
         out |= {"tool_choice": o.choice, "constrain": o.constrain, "parallel_tool_calls": o.parallel,
                 "tools": [dict(t) for t in o.tools]}
+        if o.defaults:
+            out["admit_defaults"] = True
         if o.stops:
             out["stop"] = list(o.stops)
         if o.answer_schema is not None:
