@@ -427,3 +427,30 @@ def test_errors_name_file_and_line_with_one_colon(tmp_path, line, fragment):
     r = CliRunner().invoke(cli, ["trace", "show", str(path)])
     one_line_exit_2(r, f"Error: {path}:2: ", fragment)
     assert "::" not in r.output
+
+
+def test_a_run_that_admits_defaults_records_it_and_replays_with_it(tok, tmp_path):
+    """A call that writes out an optional argument's null default, which only `admit_defaults` lets through: the
+    start event says so (valid against the published schema), and the replay, rebuilt from the trace alone,
+    makes the same tokens; the same trace with the flag taken out of its start event does not."""
+    from hybridlm.tools import Tool, ToolRegistry
+
+    schema = {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string"}, "station": {"type": "string", "default": None}}}
+    tools = ToolRegistry()
+    tools.register(Tool("weather", "The weather of a city.", schema, lambda city, station=None: "sunny",
+                        runs_in="thread"))
+    script = [OPEN + json.dumps({"name": "weather", "arguments": {"city": "Rome", "station": None}}) + CLOSE,
+              "It is sunny."]
+    path = tmp_path / "arc.jsonl"
+    arc = HybridAgent(ScriptedModel(tok, script), tools, admit_defaults=True).run("Weather in Rome?", trace=path)
+    assert [(j.tool, j.arguments) for j in arc.jumps] == [("weather", {"city": "Rome", "station": None})]
+    events = valid_events(path.read_bytes())
+    assert events[0]["event"] == "start" and events[0]["admit_defaults"] is True
+    _, identical, _ = replay(path, ScriptedModel(tok, script))
+    assert identical
+    strict = tmp_path / "strict.jsonl"
+    strict.write_text("\n".join(json.dumps({k: v for k, v in e.items() if k != "admit_defaults"}) for e in events)
+                      + "\n", encoding="utf-8")
+    _, identical, _ = replay(strict, ScriptedModel(tok, script))
+    assert not identical
