@@ -58,16 +58,7 @@ def tool_schema(schema, max_string: int | None = None):
     """
     if not isinstance(schema, dict):
         return schema
-    out: dict = {}
-    for key, value in schema.items():
-        if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
-            out[key] = {k: tool_schema(v, max_string) for k, v in value.items()}
-        elif key in ("items", "additionalProperties", "not", "contains") and isinstance(value, dict):
-            out[key] = tool_schema(value, max_string)
-        elif key in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(value, list):
-            out[key] = [tool_schema(v, max_string) for v in value]
-        else:
-            out[key] = value
+    out = _subschemas_mapped(schema, lambda sub: tool_schema(sub, max_string))
     kinds = out.get("type")
     is_string = kinds == "string" or (isinstance(kinds, list) and "string" in kinds)
     if max_string is not None and is_string and not {"enum", "const", "format"} & set(out):
@@ -93,14 +84,7 @@ def admit_defaults(schema):
     """
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
-    for key, value in schema.items():
-        if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
-            out[key] = {k: admit_defaults(v) for k, v in value.items()}
-        elif key in ("items", "additionalProperties", "not", "contains") and isinstance(value, dict):
-            out[key] = admit_defaults(value)
-        elif key in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(value, list):
-            out[key] = [admit_defaults(v) for v in value]
+    out = _subschemas_mapped(schema, admit_defaults)
     properties, required = out.get("properties"), out.get("required") or []
     if isinstance(properties, dict):
         out["properties"] = {
@@ -108,6 +92,22 @@ def admit_defaults(schema):
             if isinstance(prop, dict) and "default" in prop and key not in required and not _admits(prop, prop["default"])
             else prop
             for key, prop in properties.items()}
+    return out
+
+
+def _subschemas_mapped(schema: dict, f) -> dict:
+    """The schema with `f` applied to each schema directly inside it (each property's, each $defs entry, the
+    items', each alternative of anyOf, ...); every other keyword as it is."""
+    out: dict = {}
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
+            out[key] = {k: f(v) for k, v in value.items()}
+        elif key in ("items", "additionalProperties", "not", "contains") and isinstance(value, dict):
+            out[key] = f(value)
+        elif key in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(value, list):
+            out[key] = [f(v) for v in value]
+        else:
+            out[key] = value
     return out
 
 
@@ -133,7 +133,7 @@ def _has_pattern(schema) -> bool:
 
 def _holds_string(value) -> bool:
     if isinstance(value, dict):
-        return bool(value) or any(_holds_string(v) for v in value.values())  # (its keys are strings)
+        return bool(value)  # (its keys are strings)
     return isinstance(value, str) or (isinstance(value, list) and any(_holds_string(v) for v in value))
 
 
