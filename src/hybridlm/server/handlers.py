@@ -243,10 +243,10 @@ def prepare_chat(service: Service, body: ChatBody) -> Prepared:
                 resume = protocol.observation_ids(entry.messages, observations, turn_closed=entry.turn_closed,
                                                   names=names, ids=ids)
             else:  # the rest of the turn as the template writes it, then the results (ρ, docs/theory.md §4)
-                rendered = protocol.rendered_turn_ids(entry.messages[:-1], entry.messages[-1], observations, names, ids)
                 held = state_tokens(entry.state)[-entry.kept:] if entry.kept else []
-                if rendered is not None and rendered[:entry.kept] == held:
-                    resume = rendered[entry.kept:]
+                cut = protocol.rewrite(entry.messages[:-1], entry.messages[-1], held, observations, names, ids)
+                if cut is not None and cut[0] == entry.kept:
+                    resume = cut[1]
                 else:  # (a template that writes the turn otherwise once results follow it: prefilled afresh)
                     entry = None
         if entry is not None:
