@@ -1,9 +1,10 @@
 """Fuzz the GGUF vocabulary reader: `tokenizer.ggml.*` values of every kind, well and wrongly typed.
 
-The input drives a FuzzedDataProvider that writes the metadata: the vocabulary type ('gpt2', 'llama' or any
-text), tokens, token types, merges, scores, special ids, the pre-tokenizer's name, the flags; each key
-absent, of its type, or of another. The reader must give a tokenizer that encodes and decodes any text,
-or one WeightsError line; any other exception is a bug.
+The input drives a FuzzedDataProvider that writes the metadata: the vocabulary type ('gpt2', 'llama',
+'gemma4' or any text), tokens, token types, merges, scores, special ids, the pre-tokenizer's name, the
+flags; each key absent, of its type, or of another. The reader must give a tokenizer that encodes and
+decodes any text (free text, or pieces of its own tokens) and never gives a special token for it, or one
+WeightsError line; any other exception is a bug.
 """
 
 import atheris
@@ -13,8 +14,10 @@ with atheris.instrument_imports(include=["hybridlm"]):
     from hybridlm.weights.vocab import PRE_TOKENIZERS, tokenizer_from_metadata
 
 from common import exercise_tokenizer, one_line, run
+from tokenizers import decoders
 
 PRE_NAMES = sorted(PRE_TOKENIZERS)
+BYTE_LEVEL = decoders.ByteLevel()
 
 
 def anything(fdp: atheris.FuzzedDataProvider):
@@ -33,7 +36,8 @@ def metadata(fdp: atheris.FuzzedDataProvider) -> dict:
         tokens += ["<unk>", "<s>", "</s>", "\u2581", *[f"<0x{b:02X}>" for b in range(0, 256, 17)]]
     n = len(tokens)
     well = {
-        "tokenizer.ggml.model": fdp.PickValueInList(["gpt2", "llama", "llama", "gpt2", fdp.ConsumeUnicode(5)]),
+        "tokenizer.ggml.model": fdp.PickValueInList(["gpt2", "llama", "llama", "gpt2", "gemma4",
+                                                     fdp.ConsumeUnicode(5)]),
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": [fdp.ConsumeIntInRange(-1, 7) if fdp.ConsumeProbability() < 0.2 else 1
                                       for _ in range(n + fdp.ConsumeIntInRange(-1, 1))],
@@ -55,17 +59,30 @@ def metadata(fdp: atheris.FuzzedDataProvider) -> dict:
     return meta
 
 
+def text_of(fdp: atheris.FuzzedDataProvider, meta: dict) -> str:
+    """Free text, or pieces of the vocabulary's own tokens: as written (`Ġa`), as the text a byte-level token
+    stands for (" a") and with SentencePiece's ▁ as a space; where a control token lies within reach of text."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    if fdp.ConsumeBool():
+        return fdp.ConsumeUnicode(64)
+    pieces = []
+    for _ in range(fdp.ConsumeIntInRange(1, 6)):
+        token = fdp.PickValueInList(tokens)
+        pieces.append(fdp.PickValueInList([token, BYTE_LEVEL.decode([token]), token.replace("\u2581", " "),
+                                           fdp.ConsumeUnicode(3)]))
+    return "".join(pieces)
+
+
 def test_one_input(data: bytes) -> None:
     fdp = atheris.FuzzedDataProvider(data)
     meta = metadata(fdp)
-    text = fdp.ConsumeUnicode(64)
     try:
         tok = tokenizer_from_metadata(meta, name="fuzz", vocab_size=fdp.PickValueInList([None, 50]))
     except HybridLMError as exc:
         one_line(exc)
         return
-    if tok is not None:
-        exercise_tokenizer(tok, text)
+    if tok is not None:  # its tokens are text: the library took them
+        exercise_tokenizer(tok, text_of(fdp, meta))
 
 
 if __name__ == "__main__":

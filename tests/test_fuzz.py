@@ -8,6 +8,7 @@ they took one after the other; on two cores each run then makes about two thirds
 executions it makes alone, in the same seconds and with the same 5 s per input.
 """
 
+import base64
 import os
 import resource
 import shutil
@@ -62,5 +63,11 @@ def selected(items) -> list[str]:
 def test_harness_smoke_run(harness, runs):
     folder, future = runs[harness]
     p = future.result()
-    assert p.returncode == 0, p.stderr[-4000:]
-    assert "Done" in p.stderr and not list(folder.glob("crash-*")) and not list(folder.glob("timeout-*"))
+    found = sorted(folder.glob("crash-*")) + sorted(folder.glob("timeout-*"))
+    # atheris prints an uncaught exception's traceback on stdout, libFuzzer its own report on stderr; the
+    # input itself goes into the report too, so that a failure on another machine can be replayed here
+    # (`python fuzz/<harness>.py FILE`).
+    report = "\n".join([p.stdout[-4000:], p.stderr[-2000:],
+                        *(f"{f.name} (base64): {base64.b64encode(f.read_bytes()[:8192]).decode()}" for f in found)])
+    assert p.returncode == 0 and not found, report
+    assert "Done" in p.stderr

@@ -12,7 +12,7 @@
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from hybridlm.errors import WeightsError
@@ -241,6 +241,50 @@ def test_any_metadata_gives_a_tokenizer_or_one_line(changes, base):
         assert tok is not None and isinstance(tok.encode("ab ba"), list)
 
 
+#: Characters of small vocabularies where special tokens hide: byte-level symbols that stand for other bytes
+#: (Ġ a space, Ċ a newline, Ā a NUL), SentencePiece's ▁, a byte piece, markup's brackets, and a non-ASCII letter.
+PIECES = ["a", "b", "é", " ", "\n", "<", ">", "|", "Ġ", "Ċ", "Ā", "\u2581", "<0x41>", "<|im_end|>"]
+
+
+@st.composite
+def small_vocabularies(draw):
+    """A GGUF vocabulary of any builder and pre-tokenizer, with control tokens among its tokens and merges
+    that are well formed (so that most of them build)."""
+    tokens = draw(st.lists(st.lists(st.sampled_from(PIECES), min_size=1, max_size=3).map("".join),
+                           min_size=3, max_size=24, unique=True))
+    types = draw(st.lists(st.sampled_from([1, 1, 3, 3, 4, 6]), min_size=len(tokens), max_size=len(tokens)))
+    known = set(tokens)
+    splits = [(t[:c], t[c:]) for t in tokens for c in range(1, len(t)) if t[:c] in known and t[c:] in known]
+    merges = draw(st.lists(st.sampled_from(splits), unique=True)) if splits else []
+    return {"tokenizer.ggml.model": draw(st.sampled_from(["gpt2", "llama", "gemma4"])),
+            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.scores": [float(-i) for i in range(len(tokens))],
+            "tokenizer.ggml.merges": [f"{left} {right}" for left, right in merges],
+            "tokenizer.ggml.pre": draw(st.sampled_from(["default", "llama3", "qwen2", "gpt-2", "tekken"])),
+            "tokenizer.ggml.add_space_prefix": draw(st.booleans())}
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_vocabularies(), st.data())
+def test_untrusted_text_never_spells_a_control_token(meta, data):
+    """The law the reader guards: whatever a vocabulary it accepts, text never becomes a special token. The
+    texts are the vocabulary's own tokens as written, as the text a byte-level token stands for, and with ▁
+    as a space, in any order: where a control token is one merge, one byte or one whole word away."""
+    from tokenizers import decoders
+
+    try:
+        tok = tokenizer_from_metadata(meta, name="x")
+    except WeightsError as exc:
+        assert "\n" not in str(exc)
+        event("refused")
+        return
+    event(f"built, {len(tok.special_ids)} special")
+    tokens = meta["tokenizer.ggml.tokens"]
+    forms = [t for token in tokens for t in (token, decoders.ByteLevel().decode([token]), token.replace("\u2581", " "))]
+    text = "".join(data.draw(st.lists(st.sampled_from(forms + PIECES), min_size=1, max_size=6)))
+    assert not set(tok.encode(text)) & tok.special_ids, (text, tok.encode(text))
+
+
 # ====================================================================== the cache's form
 def test_the_cache_form_round_trips(vocab):
     from hybridlm.weights.vocab import tokenizer_from_json, tokenizer_to_json
@@ -438,16 +482,21 @@ def test_a_special_token_of_one_character_is_refused():
         tokenizer_from_metadata(meta, name="x")
 
 
-@pytest.mark.parametrize("tokens, types, merges, text", [
-    (["a", "b", "Ā", "Ģ"], [1, 1, 3, 1], [], "\x00"),  # Ā is byte 0x00: any text holding a NUL
-    (["a", "b", "Ā", "Ģ"], [1, 1, 1, 3], [], "⨀"),  # Ģ is byte 0x80, inside ⨀ (E2 A8 80)
-    (["a", "b", "ab", "<x>"], [1, 1, 3, 3], ["a b"], "ab"),  # a merge reaches the control token
+@pytest.mark.parametrize("tokens, types, merges, pre, text", [
+    (["a", "b", "Ā", "Ģ"], [1, 1, 3, 1], [], "default", "\x00"),  # Ā is byte 0x00: any text holding a NUL
+    (["a", "b", "Ā", "Ģ"], [1, 1, 1, 3], [], "default", "⨀"),  # Ģ is byte 0x80, inside ⨀ (E2 A8 80)
+    (["a", "b", "ab", "<x>"], [1, 1, 3, 3], ["a b"], "default", "ab"),  # a merge reaches the control token
+    # Llama 3's pre-tokenizer looks a whole word up before any merge: the word " a" is the token Ġa, and
+    # "\x00a" the token Āa, with no merge at all
+    (["a", "Ġ", "Ġa", "<x>"], [1, 1, 3, 3], [], "llama3", "say a"),
+    (["a", "Ā", "Āa", "<x>"], [1, 1, 3, 3], [], "llama-bpe", "\x00a"),
 ])
-def test_a_byte_level_control_token_that_text_reaches_is_refused(tokens, types, merges, text):
-    """A byte-level BPE whose control token is one byte's symbol (or a merge's result) writes it for a text
-    that is not the token's own text: the vocabulary is refused, whatever the special token's spelling."""
+def test_a_byte_level_control_token_that_text_reaches_is_refused(tokens, types, merges, pre, text):
+    """A byte-level BPE whose control token is one byte's symbol (or a merge's result, or a word it looks up
+    whole) writes it for a text that is not the token's own text: the vocabulary is refused, whatever the
+    special token's spelling."""
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
-            "tokenizer.ggml.merges": merges, "tokenizer.ggml.pre": "default"}
+            "tokenizer.ggml.merges": merges, "tokenizer.ggml.pre": pre}
     special = types.index(3)
     with pytest.raises(WeightsError, match=f"into the special token {special}"):
         tokenizer_from_metadata(meta, name="x")

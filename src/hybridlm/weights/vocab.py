@@ -365,35 +365,40 @@ def _distinct_ids(backend: HFTokenizer, origin: str) -> dict[str, int]:
 
 def _check_text_is_text(tok: Tokenizer, origin: str) -> None:
     """Refuse a tokenizer whose model can spell a special token from text: untrusted text could then open or
-    close a turn. Each special token's text is encoded as a text, and given to the model's merges as a word
-    (for byte-level BPE a word's symbols are bytes, which may sit inside any character of a text); a byte
-    fallback `<0xNN>` is refused too. No vocabulary of the families hybridlm runs fails it."""
-    model = tok.backend.model
-    byte_fallback = getattr(model, "byte_fallback", False)
-    # A model that looks a whole word up before merging (Llama 3's) finds every token so; whether a text can
-    # hold that word is the pre-tokenizer's matter, which encoding the text decides.
+    close a turn. Each special token is given to the model's merges as a word (for byte-level BPE a word's
+    symbols are bytes, which may sit inside any character of a text), and both its string and the text it
+    stands for (byte-level `Ġa` stands for " a", the word a model that looks whole words up would find) are
+    encoded as text; a byte fallback `<0xNN>` is refused too. No vocabulary of the families hybridlm runs
+    fails it."""
+    byte_fallback = getattr(tok.backend.model, "byte_fallback", False)
+    for i in sorted(tok.special_ids):
+        content = tok.backend.id_to_token(i)
+        if not content:
+            continue
+        text = tok.token_str(i)
+        spelled = (content if i in _merged_ids(tok.backend.model, content) or i in tok.encode(content)
+                   or byte_fallback and re.fullmatch(r"<0x[0-9A-F]{2}>", content)
+                   else text if i in tok.encode(text) else None)
+        if spelled is not None:
+            raise WeightsError(f"{origin}: its model turns the text {spelled[:40]!r} into the special token {i} "
+                               f"({content[:40]!r}), so untrusted text could produce it; hybridlm refuses such "
+                               "vocabularies")
+
+
+def _merged_ids(model, word: str) -> set[int]:
+    """The ids the model's merges give `word`; none where it cannot write the word (a word list without an
+    unknown token raises). A model that looks a whole word up before merging (Llama 3's) would find every
+    token so: the lookup is off here, and whether a text can hold the word is what encoding the text tells."""
     whole_words = getattr(model, "ignore_merges", False)
     try:
         if whole_words:
             model.ignore_merges = False
-        for i in sorted(tok.special_ids):
-            content = tok.backend.id_to_token(i)
-            if content and (i in _model_ids(model, content) or i in tok.encode(content)
-                            or byte_fallback and re.fullmatch(r"<0x[0-9A-F]{2}>", content)):
-                raise WeightsError(f"{origin}: its model turns the text {content[:40]!r} into the special token {i}, "
-                                   "so untrusted text could produce it; hybridlm refuses such vocabularies")
-    finally:
-        if whole_words:
-            model.ignore_merges = True
-
-
-def _model_ids(model, word: str) -> set[int]:
-    """The ids the tokenizer's model gives `word`; none where it cannot write the word (a word list without
-    an unknown token raises)."""
-    try:
         return {t.id for t in model.tokenize(word)}
     except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception for a word it cannot write
         return set()
+    finally:
+        if whole_words:
+            model.ignore_merges = True
 
 
 def _json_object(path: Path) -> dict:
