@@ -473,6 +473,22 @@ def test_a_folder_whose_model_spells_a_special_token_is_refused(tmp_path):
         tokenizer_from_folder(tmp_path)
 
 
+def test_a_folder_whose_model_looks_a_special_word_up_is_refused(tmp_path):
+    """A byte-level BPE that looks whole words up (`ignore_merges`, Llama 3's) reads the word " a" as its
+    special token `Ġa`, with no merge: the library gives it for the text, so the folder is refused."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    backend = Tokenizer(models.BPE(vocab={"a": 0, "Ġ": 1, "Ġa": 2, "<x>": 3}, merges=[], ignore_merges=True))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("Ġa", "<x>")])
+    backend.encode_special_tokens = True  # the reference: the library's own reading of untrusted text
+    assert backend.encode("say a", add_special_tokens=False).ids[-1] == 2
+    backend.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(WeightsError, match="turns the text ' a' into the special token 2"):
+        tokenizer_from_folder(tmp_path)
+
+
 def test_a_special_token_of_one_character_is_refused():
     """Text spells a one-character control token without any merge: untrusted text could produce it."""
     meta = small_spm()
