@@ -108,12 +108,11 @@ class ClientTools:
                       repeats=self.repeats)
         ids = [call_id(s, c.index) for c in view.calls]
         sent = self.protocol.assistant(view.content, [(c.name, c.arguments) for c in view.calls], ids)
-        written: dict = {"role": "assistant", "content": turns[-1]}
         closed = bool(s.turn) and s.turn[-1] in s.stop_ids
+        # ρ, as the agent's jump map applies it: where it cuts the state, the turn continues as the template
+        # writes it, else as the model wrote it
         cut = rewrite_state(self.protocol, state, s.turn, s.messages, sent)
-        kept = None if cut is None else cut[0]
-        if cut is not None:  # ρ, as the agent's jump map applies it: the turn continues as the template writes it
-            written = sent
+        kept, written = (None, {"role": "assistant", "content": turns[-1]}) if cut is None else (cut[0], sent)
         client = s.messages if self.sent is None else self.sent + s.messages[self.start:]
         return conversation_key(client + [sent]), Continuation(state, s.messages + [written], ids, closed, s.name, s.t,
                                                                kept)
