@@ -224,6 +224,22 @@ def test_huge_sizes_in_gguf_metadata_allocate_nothing(tmp_path, monkeypatch):
         load_gguf_model(tmp_path / "big.gguf")
 
 
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gemma2", "gemma3"])
+def test_a_block_count_past_the_bound_is_refused_before_any_work_per_block(arch):
+    """A block count of 2³² − 2 (a fuzzer's find on Gemma 3) is refused from the metadata alone: the local and
+    global pattern, one entry per block, is never written out (it held the reader for minutes)."""
+    from hybridlm.lm.config import MAX_SIZES
+    from hybridlm.weights.gguf import config_from_metadata
+
+    meta = {"general.architecture": arch, **{f"{arch}.{key}": value for key, value in [
+        ("block_count", 2**32 - 2), ("embedding_length", 64), ("attention.head_count", 4), ("context_length", 128),
+        ("feed_forward_length", 128), ("attention.layer_norm_rms_epsilon", 1e-6), ("attention.sliding_window", 16),
+        ("vocab_size", 100)]}}
+    with pytest.raises(WeightsError, match=f"t.gguf: {arch}.block_count=4,294,967,294: hybridlm supports at most "
+                                           f"{MAX_SIZES['n_layer']:,}"):
+        config_from_metadata(meta, set(), origin="t.gguf")
+
+
 @pytest.mark.parametrize("key, value, fragment", [
     ("llama.embedding_length", "256", "llama.embedding_length"),
     ("llama.attention.layer_norm_rms_epsilon", [1.0], "layer_norm_rms_epsilon"),
@@ -294,6 +310,20 @@ def test_config_claiming_huge_sizes_allocates_nothing(hub_copy):
     with pytest.raises((WeightsError, ConfigError)):
         load(hub_copy)
     assert time.perf_counter() - t0 < 30
+
+
+@pytest.mark.parametrize("model_type", ["llama", "phi3", "gemma2", "gemma3_text"])
+def test_a_config_json_block_count_past_the_bound_is_refused_before_any_work_per_block(model_type):
+    """config.json's num_hidden_layers of 2³² − 2 is refused from the fields alone: the per-block layer types
+    are never written out."""
+    from hybridlm.lm.config import MAX_SIZES
+    from hybridlm.weights.families import hf_config, hf_family
+
+    hf = {"model_type": model_type, "num_hidden_layers": 2**32 - 2, "hidden_size": 64, "num_attention_heads": 4,
+          "max_position_embeddings": 128, "intermediate_size": 128, "vocab_size": 100, "sliding_window": 16}
+    with pytest.raises(ConfigError, match=f"config.json: num_hidden_layers=4,294,967,294: hybridlm supports at "
+                                          f"most {MAX_SIZES['n_layer']:,}"):
+        hf_config(hf_family(model_type), hf)
 
 
 def safetensors_with_header(header: bytes, data: bytes = b"", length: int | None = None) -> bytes:

@@ -52,6 +52,21 @@ MAX_SIZES = {"vocab_size": 1 << 22, "n_ctx": 1 << 20, "d_model": 1 << 16, "n_lay
              "n_head": 1 << 12, "n_kv_head": 1 << 12, "d_mlp": 1 << 18}
 
 
+def check_sizes(sizes: dict[str, Any], spelled: dict[str, str] | None = None) -> None:
+    """The sizes of MAX_SIZES among `sizes` are positive integers within their bounds: a reader checks
+    those it has read before any work per block or position, which a hostile size would make endless.
+    `spelled`: a size's name as the file spells it, for the error."""
+    for name, value in sizes.items():
+        bound = MAX_SIZES.get(name)
+        if bound is None:
+            continue
+        field_name = (spelled or {}).get(name, f"config field {name}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{field_name}={value!r}: expected a positive integer")
+        if value > bound:
+            raise ConfigError(f"{field_name}={value:,}: hybridlm supports at most {bound:,}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     family: str = "gpt2"
@@ -135,12 +150,7 @@ class ModelConfig:
     def validate(self) -> None:
         if not isinstance(self.family, str):
             raise ConfigError(f"config field family={self.family!r}: expected a string")
-        for name, bound in MAX_SIZES.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"config field {name}={value!r}: expected a positive integer")
-            if value > bound:
-                raise ConfigError(f"config field {name}={value:,}: hybridlm supports at most {bound:,}")
+        check_sizes({name: getattr(self, name) for name in MAX_SIZES})
         for name in ("norm_eps", "rope_theta", "init_std"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from hybridlm.errors import ConfigError, HybridLMError, WeightsError
-from hybridlm.lm.config import ModelConfig
+from hybridlm.lm.config import ModelConfig, check_sizes
 
 _MISSING = object()
 
@@ -223,6 +223,16 @@ def _field(hf: dict, name: str, kind: str, default: Any = _MISSING) -> Any:
     return hub_field(hf, name, kind) if default is _MISSING else hub_field(hf, name, kind, default)
 
 
+#: The sizes as config.json and GGUF metadata spell them (a GGUF key after its `{arch}.`; a GGUF file's
+#: vocabulary size may be its token count instead).
+HF_SIZES = {"vocab_size": "vocab_size", "n_ctx": "max_position_embeddings", "d_model": "hidden_size",
+            "n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads",
+            "d_mlp": "intermediate_size"}
+GGUF_SIZES = {"n_ctx": "context_length", "d_model": "embedding_length",
+              "n_layer": "block_count", "n_head": "attention.head_count", "n_kv_head": "attention.head_count_kv",
+              "d_mlp": "feed_forward_length"}
+
+
 def hf_config(family: Family, hf: dict) -> ModelConfig:
     """`ModelConfig` of a Hugging Face folder of `family` from its config.json, field by field."""
     key = "hidden_activation" if hf.get("hidden_activation") is not None else "hidden_act"
@@ -246,6 +256,10 @@ def hf_config(family: Family, hf: dict) -> ModelConfig:
         bos_token_id=_token_id(hf, "bos_token_id"), eos_token_id=_token_id(hf, "eos_token_id"),
         init_std=_field(hf, "initializer_range", "number", 0.02), **family.parts,
     )
+    try:  # before the work per block and position
+        check_sizes({k: v for k, v in cfg.items() if v is not None}, HF_SIZES)
+    except ConfigError as exc:
+        raise ConfigError(f"config.json: {exc}") from None
     d_k = head_dim or d_model // n_head
     cfg.update(_hf_rope(hf, d_k, cfg["n_ctx"]))
     cfg.update(_hf_layers(family, hf, cfg["n_layer"]))
@@ -438,6 +452,11 @@ def gguf_config(family: Family, meta: dict, tensors: Mapping[str, Any], *, origi
         tie_embeddings="output.weight" not in tensors, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
         **family.parts,
     )
+    try:  # before the work per block and position
+        check_sizes({k: v for k, v in cfg.items() if v is not None},
+                    {k: f"{m.arch}.{key}" for k, key in GGUF_SIZES.items()})
+    except ConfigError as exc:
+        raise WeightsError(f"{origin}: {exc}") from None
     # biases are data: a file that has them uses them (Qwen2's b_Q, b_K, b_V)
     qkv = family.block["attn.W_qkv"][0][0]
     cfg.update(attn_bias=f"{first}{qkv}.bias" in tensors, attn_out_bias=f"{first}attn_output.bias" in tensors,
